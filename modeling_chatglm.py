@@ -1,0 +1,839 @@
+"""ChatGLM2/3 and GLM-4: one decoder-only architecture, drop-in for the original remote code.
+
+Reads top to bottom: compatibility layer, config-derived sizes, device boundaries, rotary embedding, attention,
+MLP, block, stack, base model, heads. Class names, module attribute names and state-dict keys are the original
+checkpoints' (`transformer.embedding.word_embeddings`, `transformer.encoder.layers.N.self_attention.query_key_value`,
+`transformer.output_layer`, ...), so a checkpoint saved by the original code loads with no missing or unexpected key.
+
+Every place where a tensor moves to another device goes through `device_boundary(...)`: search for that name to list
+them all. No boundary relies on accelerate's hooks moving a tensor.
+"""
+
+import inspect
+import math
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+
+from .configuration_chatglm import ChatGLMConfig
+
+# ======================================================================================================================
+# Compatibility layer: transformers 4.44.2 ... 5.x. Each shim names the versions that need it.
+# ======================================================================================================================
+
+try:  # the attention-function registry appeared in 4.48
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+except ImportError:
+    ALL_ATTENTION_FUNCTIONS = None
+
+try:  # the shared loss functions appeared in 4.46
+    from transformers.loss.loss_utils import ForCausalLMLoss as causal_lm_loss
+except ImportError:
+
+    def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        """transformers < 4.46: the same computation as its later ForCausalLMLoss (fp32, shifted, summed over the
+        batch and divided by `num_items_in_batch` when the Trainer gives it)."""
+        logits = logits.float()
+        shift_logits = logits[..., :-1, :].reshape(-1, vocab_size)
+        shift_labels = labels[..., 1:].reshape(-1)
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
+        return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+try:  # 5.0: init functions that skip tensors already loaded from a checkpoint
+    from transformers import initialization as weight_init
+except ImportError:
+    weight_init = nn.init
+
+# 4.56 added DynamicCache(config=...), and 5.0 builds its layers from the config.
+_DYNAMIC_CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
+# 4.44 and 4.45 have no generic GenerationMixin.prepare_inputs_for_generation (the 4.44 one only raises).
+_HAS_GENERIC_PREPARE_INPUTS = "past_key_values" in inspect.signature(
+    GenerationMixin.prepare_inputs_for_generation
+).parameters
+
+
+def new_dynamic_cache(config: ChatGLMConfig) -> DynamicCache:
+    return DynamicCache(config=config) if _DYNAMIC_CACHE_TAKES_CONFIG else DynamicCache()
+
+
+def cache_from_legacy(past_key_values) -> DynamicCache:
+    """A tuple of (key, value) per layer, each [batch, kv_heads, seq, head_dim]; accepted where transformers still
+    converts them (< 5.0)."""
+    if not hasattr(DynamicCache, "from_legacy_cache"):
+        raise TypeError(
+            f"past_key_values as a tuple of tensors is not supported with transformers {transformers.__version__}: "
+            "pass the Cache object a previous call returned (or a transformers DynamicCache)."
+        )
+    return DynamicCache.from_legacy_cache(past_key_values)
+
+
+def max_cache_length(cache: Cache) -> Optional[int]:
+    """Preallocated length of a static cache, None for a cache that grows. The query is `get_max_length` on 4.44 and
+    5.x, `get_max_cache_shape` on 4.46 to 4.57."""
+    if isinstance(cache, DynamicCache):
+        return None
+    query = getattr(cache, "get_max_cache_shape", None) or getattr(cache, "get_max_length")
+    length = query()
+    return int(length) if length is not None and length > 0 else None
+
+
+def attention_function(implementation: str):
+    """The attention kernel for `config._attn_implementation`: our eager one (it honours the original's fp32
+    softmax and query-key layer scaling), else transformers' registry, with an sdpa fallback before 4.48."""
+    if implementation in (None, "eager"):
+        return eager_attention_forward
+    if ALL_ATTENTION_FUNCTIONS is None:
+        if implementation == "sdpa":
+            return sdpa_attention_forward_before_4_48
+        raise ValueError(
+            f"attn_implementation={implementation!r} needs transformers >= 4.48 with this model; "
+            f"{transformers.__version__} is installed. Use 'sdpa' or 'eager', or upgrade transformers."
+        )
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
+        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def sdpa_attention_forward_before_4_48(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    is_causal = attention_mask is None and query.shape[2] > 1
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+# ======================================================================================================================
+# Config-derived sizes
+# ======================================================================================================================
+
+
+@dataclass(frozen=True)
+class AttentionSizes:
+    """Head counts of one attention layer. Tensor parallelism gives each rank its own (smaller) sizes."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    multi_query: bool  # fused qkv layout: [all q | all k | all v] if True, else [q_h | k_h | v_h] per head
+
+    @classmethod
+    def from_config(cls, config: ChatGLMConfig) -> "AttentionSizes":
+        return cls(config.num_attention_heads, config.num_key_value_heads, config.kv_channels,
+                   bool(config.multi_query_attention))
+
+    @property
+    def groups(self) -> int:
+        """Query heads served by each key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_features(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def shard(self, num_heads: int, num_kv_heads: int) -> "AttentionSizes":
+        return replace(self, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
+def check_supported(config: ChatGLMConfig):
+    config.validate_chatglm()
+    if config.quantization_bit:
+        raise ValueError(
+            f"config.quantization_bit={config.quantization_bit}: the original's cpm_kernels quantization is not part "
+            "of this fork. Set quantization_bit to 0 and quantize at load time instead, for example "
+            "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))."
+        )
+    if config.pre_seq_len:
+        raise ValueError(
+            f"config.pre_seq_len={config.pre_seq_len}: P-tuning v2 prefixes (prefix_encoder) are not supported by this "
+            "fork. Set pre_seq_len to null, or fine-tune with PEFT (prefix tuning or LoRA) instead."
+        )
+
+
+# ======================================================================================================================
+# Device boundaries
+# ======================================================================================================================
+
+
+def device_boundary(tensor: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """Every crossing of a tensor to another device in this file goes through here."""
+    if tensor is None or tensor.device == device:
+        return tensor
+    return tensor.to(device)
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: the device of its weights, or accelerate's execution device when its weights are
+    offloaded (then they live on `meta` between calls)."""
+    hook = getattr(module, "_hf_hook", None)
+    if getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    raise ValueError(f"{type(module).__name__} has no parameters or buffers to place it on a device")
+
+
+class LayerInputs:
+    """What every layer reads besides the hidden states (rotary cos/sin, attention mask, the cache slots of the new
+    tokens), made once per forward and copied to each device that holds layers once, not once per layer."""
+
+    def __init__(self, cos, sin, mask, cache_position):
+        self._source = (cos, sin, mask, cache_position)
+        self._copies = {}
+
+    def on(self, device: torch.device):
+        if device not in self._copies:
+            self._copies[device] = tuple(device_boundary(t, device) for t in self._source)
+        return self._copies[device]
+
+
+# ======================================================================================================================
+# Rotary position embedding
+# ======================================================================================================================
+
+
+class RotaryEmbedding(nn.Module):
+    """GLM's rotary embedding: the first half of each head's channels turns, as interleaved pairs, with the base
+    10000 * rope_ratio."""
+
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__()
+        self.rotary_channels = config.kv_channels // 2
+        self.base = 10000.0 * config.rope_ratio
+        # Checkpoints store `inv_freq` (always with base 10000); the original never reads its values and neither do
+        # we: it keeps the state-dict key and marks the device the rotary table is computed on.
+        self.register_buffer("inv_freq", self.checkpoint_inv_freq(), persistent=True)
+
+    def checkpoint_inv_freq(self) -> torch.Tensor:
+        steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32)
+        return 1.0 / (10000 ** (steps / self.rotary_channels))
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for `position_ids` [batch, seq]: [batch, 1, seq, rotary_channels], repeated per pair."""
+        steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=position_ids.device)
+        theta = 1.0 / (self.base ** (steps / self.rotary_channels))
+        angles = position_ids[..., None].float() * theta
+        cos = angles.cos().repeat_interleave(2, dim=-1)[:, None]
+        sin = angles.sin().repeat_interleave(2, dim=-1)[:, None]
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Turn the pairs (x0, x1) of the first `rotary_channels` channels of x [batch, heads, seq, head_dim]."""
+    channels = cos.shape[-1]
+    x_rot, x_pass = x[..., :channels], x[..., channels:]
+    pairs = x_rot.unflatten(-1, (-1, 2))
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return torch.cat((x_rot * cos + turned * sin, x_pass), dim=-1)
+
+
+# ======================================================================================================================
+# Attention
+# ======================================================================================================================
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[batch, kv_heads, seq, dim] -> [batch, kv_heads * groups, seq, dim], each key/value head serving its queries."""
+    if groups == 1:
+        return x
+    batch, kv_heads, seq, dim = x.shape
+    return x[:, :, None].expand(batch, kv_heads, groups, seq, dim).reshape(batch, kv_heads * groups, seq, dim)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Attention as the original's CoreAttention computes it. With `apply_query_key_layer_scaling` the scores are
+    computed divided by the layer number and multiplied back after the upcast, so fp16 products cannot overflow;
+    the layer scaling forces the fp32 softmax, as in the original."""
+    config = module.config
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    coeff = module.layer_number if config.apply_query_key_layer_scaling else 1
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling / coeff)
+    if config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling:
+        scores = scores.float()
+    scores = scores * coeff
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[-2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = F.softmax(scores, dim=-1).to(value.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def build_attention_mask(implementation, attention_mask, query_positions, key_length):
+    """The mask the attention kernels take.
+
+    attention_mask: None, a [batch, past + new] padding mask (1 = token, 0 = padding), or a 4D mask that generate()
+    prepared for a static cache (passed through). query_positions: [1, new], each query's slot in the cache.
+    Returns None (plain causal), the 2D padding mask (flash kernels apply causality themselves), or a boolean
+    [batch, 1, new, key_length] mask, True where a query may attend.
+    """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask
+    query_length = query_positions.shape[-1]
+    prefill = query_length == key_length
+    if attention_mask is not None and prefill and not is_compiling() and bool(attention_mask.all()):
+        attention_mask = None  # one host sync per prompt buys the fused causal kernels
+    if implementation is not None and implementation.startswith("flash"):
+        return attention_mask
+    if attention_mask is None and (query_length == 1 or (prefill and implementation == "sdpa")):
+        return None
+    key_positions = torch.arange(key_length, device=query_positions.device)
+    mask = key_positions[None, None, :] <= query_positions[:, :, None]
+    if attention_mask is not None:
+        padding = attention_mask.bool()
+        if padding.shape[-1] < key_length:  # a static cache's slots beyond the mask are unwritten
+            padding = F.pad(padding, (0, key_length - padding.shape[-1]), value=False)
+        mask = mask & padding[:, None, :]
+    # A padding query sees no key at all; let it see every key so that its softmax stays finite (its output is
+    # never used by a real token).
+    mask = mask | ~mask.any(dim=-1, keepdim=True)
+    return mask[:, None]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ChatGLMConfig, layer_number: int):
+        super().__init__()
+        self.config = config
+        self.layer_number = max(1, layer_number)
+        self.layer_idx = layer_number - 1
+        self.sizes = AttentionSizes.from_config(config)
+        self.scaling = self.sizes.head_dim ** -0.5
+        self.is_causal = True
+        self.query_key_value = nn.Linear(
+            config.hidden_size, self.sizes.qkv_features, bias=config.add_bias_linear or config.add_qkv_bias
+        )
+        self.dense = nn.Linear(
+            self.sizes.num_heads * self.sizes.head_dim, config.hidden_size, bias=config.add_bias_linear
+        )
+
+    @property
+    def num_key_value_groups(self) -> int:  # read by transformers' attention functions
+        return self.sizes.groups
+
+    def split_heads(self, mixed: torch.Tensor):
+        """Fused projection [batch, seq, qkv] -> q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim]."""
+        s = self.sizes
+        if s.multi_query:
+            q, k, v = mixed.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                                   s.num_kv_heads * s.head_dim], dim=-1)
+            q, k, v = (t.unflatten(-1, (-1, s.head_dim)) for t in (q, k, v))
+        else:
+            q, k, v = mixed.unflatten(-1, (s.num_heads, 3 * s.head_dim)).split(s.head_dim, dim=-1)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None):
+        batch, seq, _ = hidden_states.shape
+        query, key, value = self.split_heads(self.query_key_value(hidden_states))
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if past_key_values is not None:
+            # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
+            key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
+        attend = attention_function(self.config._attn_implementation)
+        out, weights = attend(
+            self, query, key, value, attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling,
+        )
+        return self.dense(out.reshape(batch, seq, -1)), weights
+
+
+# ======================================================================================================================
+# MLP, norms
+# ======================================================================================================================
+
+
+class MLP(nn.Module):
+    """SwiGLU: dense_h_to_4h holds [gate | up]."""
+
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=config.add_bias_linear)
+        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+
+    def forward(self, hidden_states):
+        gate, up = self.dense_h_to_4h(hidden_states).chunk(2, dim=-1)
+        return self.dense_4h_to_h(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+        return (self.weight * (hidden_states * torch.rsqrt(variance + self.eps))).to(input_dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm, also for an fp32 residual stream over half-precision weights."""
+
+    def forward(self, hidden_states):
+        weight = self.weight.to(hidden_states.dtype)
+        bias = None if self.bias is None else self.bias.to(hidden_states.dtype)
+        return F.layer_norm(hidden_states, self.normalized_shape, weight, bias, self.eps)
+
+
+def make_norm(config: ChatGLMConfig) -> nn.Module:
+    if config.rmsnorm:
+        return RMSNorm(config.hidden_size, config.layernorm_epsilon)
+    return LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+# ======================================================================================================================
+# Block and stack
+# ======================================================================================================================
+
+
+class GLMBlock(nn.Module):
+    def __init__(self, config: ChatGLMConfig, layer_number: int):
+        super().__init__()
+        self.layer_number = layer_number
+        self.residual_after_norm = config.apply_residual_connection_post_layernorm
+        self.fp32_residual = config.fp32_residual_connection
+        self.hidden_dropout = config.hidden_dropout
+        self.input_layernorm = make_norm(config)
+        self.self_attention = SelfAttention(config, layer_number)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = MLP(config)
+
+    def norm(self, norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        """With fp32_residual_connection the residual stream stays fp32 and each norm feeds its sublayer in the
+        sublayer's dtype."""
+        out = norm(hidden_states)
+        return out.to(self.mlp.dense_4h_to_h.weight.dtype) if self.fp32_residual else out
+
+    def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None):
+        normed = self.norm(self.input_layernorm, hidden_states)
+        attention_output, weights = self.self_attention(
+            normed, cos, sin, attention_mask, cache_position, past_key_values
+        )
+        residual = normed if self.residual_after_norm else hidden_states
+        hidden_states = residual + F.dropout(attention_output, p=self.hidden_dropout, training=self.training)
+
+        normed = self.norm(self.post_attention_layernorm, hidden_states)
+        residual = normed if self.residual_after_norm else hidden_states
+        hidden_states = residual + F.dropout(self.mlp(normed), p=self.hidden_dropout, training=self.training)
+        return hidden_states, weights
+
+
+class GLMTransformer(nn.Module):
+    """The stack of blocks (the original's `encoder`), with the final norm."""
+
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__()
+        self.num_layers = config.num_layers
+        self.layers = nn.ModuleList([GLMBlock(config, number + 1) for number in range(config.num_layers)])
+        self.final_layernorm = make_norm(config) if config.post_layer_norm else None
+        self.gradient_checkpointing = False  # set by PreTrainedModel.gradient_checkpointing_enable()
+
+    def forward(self, hidden_states, layer_inputs: LayerInputs, past_key_values=None,
+                output_hidden_states=False, output_attentions=False):
+        all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for layer in self.layers:
+            device = execution_device(layer)
+            hidden_states = device_boundary(hidden_states, device)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            cos, sin, mask, cache_position = layer_inputs.on(device)
+            if self.gradient_checkpointing and self.training:
+                hidden_states, weights = self._gradient_checkpointing_func(
+                    layer.__call__, hidden_states, cos, sin, mask, cache_position, past_key_values
+                )
+            else:
+                hidden_states, weights = layer(hidden_states, cos, sin, mask, cache_position, past_key_values)
+            if output_attentions:
+                all_attentions += (weights,)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(device_boundary(hidden_states, execution_device(self.final_layernorm)))
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return hidden_states, all_hidden_states, all_attentions
+
+
+# ======================================================================================================================
+# Base model
+# ======================================================================================================================
+
+
+class ChatGLMPreTrainedModel(PreTrainedModel):
+    config_class = ChatGLMConfig
+    base_model_prefix = "transformer"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["GLMBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn_2 = True  # 4.x name
+    _supports_flash_attn = True  # 5.x name
+    _supports_cache_class = True  # 4.x: generate() hands us Cache objects
+    _supports_static_cache = True
+
+    def _init_weights(self, module):
+        """Random weights for models built from a config (the original left them uninitialised)."""
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            weight_init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                weight_init.zeros_(module.bias)
+        elif isinstance(module, (RMSNorm, LayerNorm)):
+            weight_init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                weight_init.zeros_(module.bias)
+        elif isinstance(module, RotaryEmbedding):
+            if hasattr(weight_init, "copy_"):
+                weight_init.copy_(module.inv_freq, module.checkpoint_inv_freq())
+            else:
+                module.inv_freq.data.copy_(module.checkpoint_inv_freq())
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
+    bad = (input_ids < 0) | (input_ids >= vocab_size)
+    if bool(bad.any()):
+        raise ValueError(
+            f"input_ids holds token id {int(input_ids[bad][0])} outside this model's vocabulary [0, {vocab_size}) "
+            f"(padded_vocab_size). The tokenizer does not match the checkpoint, or the ids were built by hand: "
+            "GLM-4 tokenizers give ids below 151552, ChatGLM2/3 tokenizers ids below 65024."
+        )
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.fp32_residual = config.fp32_residual_connection
+
+    def forward(self, input_ids):
+        embeddings = self.word_embeddings(input_ids)
+        return embeddings.float() if self.fp32_residual else embeddings
+
+
+class ChatGLMModel(ChatGLMPreTrainedModel):
+    def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
+        # empty_init and device are the original constructor's arguments, accepted so that calling code keeps
+        # working: from_pretrained already skips initialising loaded weights, and `device` places the model.
+        super().__init__(config)
+        check_supported(config)
+        self.embedding = Embedding(config)
+        self.rotary_pos_emb = RotaryEmbedding(config)
+        self.encoder = GLMTransformer(config)
+        self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.post_init()
+        if device is not None:
+            self.to(device)
+
+    def get_input_embeddings(self):
+        return self.embedding.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embedding.word_embeddings = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values=None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ):
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
+        if self.encoder.gradient_checkpointing and self.training and use_cache:
+            use_cache = False  # checkpointed layers run twice; a cache would be filled twice
+
+        # Inputs to the embedding's device.
+        embedding_device = execution_device(self.embedding)
+        input_ids = device_boundary(input_ids, embedding_device)
+        inputs_embeds = device_boundary(inputs_embeds, embedding_device)
+        attention_mask = device_boundary(attention_mask, embedding_device)
+
+        legacy_cache = isinstance(past_key_values, (tuple, list))
+        if not use_cache:
+            past_key_values = None
+        elif past_key_values is None:
+            past_key_values = new_dynamic_cache(self.config)
+        elif legacy_cache:
+            past_key_values = cache_from_legacy(past_key_values)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        if inputs_embeds is None:
+            # Checked where it costs no device sync per decode step: ids on the CPU, or the prompt.
+            if (input_ids.device.type == "cpu" or (isinstance(past_length, int) and past_length == 0)) \
+                    and not is_compiling():
+                check_token_ids(input_ids, self.config.padded_vocab_size)
+            inputs_embeds = self.embedding(input_ids)
+        query_length = inputs_embeds.shape[1]
+
+        query_positions = (torch.arange(query_length, device=embedding_device) + past_length)[None]
+        if attention_mask is not None and attention_mask.dim() == 2 and isinstance(past_length, int) \
+                and attention_mask.shape[-1] != past_length + query_length:
+            raise ValueError(
+                f"attention_mask has {attention_mask.shape[-1]} columns but must cover the cached and the new tokens "
+                f"({past_length} + {query_length})."
+            )
+        if position_ids is None:
+            position_ids = self.default_position_ids(attention_mask, query_positions, query_length)
+
+        # Rotary table computed on the rotary module's device; each layer gets it on its own device (LayerInputs).
+        rotary_device = execution_device(self.rotary_pos_emb)
+        cos, sin = self.rotary_pos_emb(device_boundary(position_ids, rotary_device), self.compute_dtype)
+
+        key_length = (max_cache_length(past_key_values) if past_key_values is not None else None) \
+            or past_length + query_length
+        mask = build_attention_mask(self.config._attn_implementation, attention_mask, query_positions, key_length)
+
+        hidden_states, all_hidden_states, all_attentions = self.encoder(
+            inputs_embeds, LayerInputs(cos, sin, mask, query_positions[0]), past_key_values,
+            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+        )
+        if self.config.fp32_residual_connection:
+            hidden_states = hidden_states.to(self.compute_dtype)
+        if legacy_cache and past_key_values is not None:
+            past_key_values = past_key_values.to_legacy_cache()
+        if not return_dict:
+            return tuple(v for v in (hidden_states, past_key_values, all_hidden_states, all_attentions) if v is not None)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.encoder.layers[0].mlp.dense_4h_to_h.weight.dtype
+
+    @staticmethod
+    def default_position_ids(attention_mask, query_positions, query_length):
+        """Positions count real tokens only, so a left-padded sequence gets the positions it has alone."""
+        if attention_mask is None or attention_mask.dim() != 2:
+            return query_positions
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -query_length:]
+
+
+# ======================================================================================================================
+# Heads
+# ======================================================================================================================
+
+
+def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """position_ids given to generate() cover the prompt (the GLM tokenizers return them); the tokens generated
+    after it continue from the last prompt position. transformers before 5.x does not extend them itself."""
+    missing = length - position_ids.shape[-1]
+    steps = torch.arange(1, missing + 1, device=position_ids.device, dtype=position_ids.dtype)
+    return torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
+
+
+class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
+    loss_type = "ForCausalLM"
+
+    def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
+        super().__init__(config)
+        self.transformer = ChatGLMModel(config, empty_init=empty_init, device=device)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.transformer.output_layer
+
+    def set_output_embeddings(self, new_embeddings):
+        self.transformer.output_layer = new_embeddings
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values=None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        return_last_logit: Optional[bool] = False,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        **kwargs,
+    ):
+        """`labels` give the causal-LM loss in fp32 (-100 ignored); `num_items_in_batch` (from the Trainer, in
+        kwargs) makes it a sum divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of
+        the last positions only."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.transformer(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        if return_last_logit:
+            logits_to_keep = 1
+        if isinstance(logits_to_keep, int):
+            if logits_to_keep:
+                hidden_states = hidden_states[:, -logits_to_keep:]
+        else:
+            hidden_states = hidden_states[:, logits_to_keep]
+        # Hidden states to the output layer's device; labels and the item count to the logits' device.
+        output_layer = self.transformer.output_layer
+        logits = output_layer(device_boundary(hidden_states, execution_device(output_layer)))
+
+        loss = None
+        if labels is not None:
+            num_items_in_batch = kwargs.get("num_items_in_batch")
+            if isinstance(num_items_in_batch, torch.Tensor):
+                num_items_in_batch = device_boundary(num_items_in_batch, logits.device)
+            loss = causal_lm_loss(
+                logits, device_boundary(labels, logits.device), vocab_size=self.config.padded_vocab_size,
+                num_items_in_batch=num_items_in_batch,
+            )
+        if not return_dict:
+            output = (logits,) + tuple(
+                v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions) if v is not None
+            )
+            return ((loss,) + output) if loss is not None else output
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      position_ids=None, inputs_embeds=None, **kwargs):
+        if position_ids is not None and inputs_embeds is None and position_ids.shape[-1] < input_ids.shape[-1]:
+            position_ids = extend_position_ids(position_ids, input_ids.shape[-1])
+        if _HAS_GENERIC_PREPARE_INPUTS:
+            return super().prepare_inputs_for_generation(
+                input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs,
+            )
+        return prepare_inputs_before_4_46(
+            input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, **kwargs
+        )
+
+
+def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, position_ids, inputs_embeds,
+                               cache_position=None, use_cache=True, **kwargs):
+    """transformers 4.44 / 4.45 (in the compatibility layer's spirit; kept beside its only caller): keep the tokens
+    the cache has not seen, and the prompt embeddings on the first step only."""
+    past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+    first_step = past_length == 0
+    if not first_step:
+        input_ids = input_ids[:, past_length:]
+    model_inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None and first_step \
+        else {"input_ids": input_ids.contiguous()}
+    if position_ids is not None:
+        length = next(iter(model_inputs.values())).shape[1]
+        model_inputs["position_ids"] = position_ids[:, -length:]
+    model_inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
+    model_inputs.update({k: v for k, v in kwargs.items() if k in ("output_attentions", "output_hidden_states")})
+    return model_inputs
+
+
+class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
+    def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = ChatGLMModel(config, empty_init=empty_init, device=device)
+        self.classifier_head = nn.Linear(config.hidden_size, config.num_labels, bias=True)
+        self.dropout = nn.Dropout(config.classifier_dropout) if config.classifier_dropout is not None else None
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        full_attention_mask: Optional[torch.Tensor] = None,
+        past_key_values=None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ):
+        """Classifies each sequence from its last real token (the last column where attention_mask is 1, so left
+        and right padding both work; the last position without a mask, as in the original)."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.transformer(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        # Pooling on the device of the logits (the classifier's); labels follow.
+        head_device = execution_device(self.classifier_head)
+        hidden_states = device_boundary(outputs.last_hidden_state, head_device)
+        if attention_mask is not None:
+            mask = device_boundary(attention_mask, head_device).long()
+            last = (mask * torch.arange(mask.shape[-1], device=head_device)).argmax(-1)
+        else:
+            last = torch.full((hidden_states.shape[0],), hidden_states.shape[1] - 1, device=head_device)
+        pooled = hidden_states[torch.arange(hidden_states.shape[0], device=head_device), last]
+        if self.dropout is not None:
+            pooled = self.dropout(pooled)
+        logits = self.classifier_head(pooled)
+
+        loss = None
+        if labels is not None:
+            loss = self.classification_loss(logits.float(), device_boundary(labels, logits.device))
+        if not return_dict:
+            output = (logits,) + tuple(
+                v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions) if v is not None
+            )
+            return ((loss,) + output) if loss is not None else output
+        return SequenceClassifierOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+
+    def classification_loss(self, logits, labels):
+        problem_type = self.config.problem_type
+        if problem_type is None:
+            if self.num_labels == 1:
+                problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                problem_type = "single_label_classification"
+            else:
+                problem_type = "multi_label_classification"
+        if problem_type == "regression":
+            return F.mse_loss(logits.squeeze(-1), labels.float().reshape(logits.shape[0]))
+        if problem_type == "single_label_classification":
+            return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
+        return F.binary_cross_entropy_with_logits(logits, labels.float())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set-up shared by scripts/demo.sh and scripts/test.sh: one virtual environment in .venv with torch 2.13.0
+# (the CPU wheel) installed once and pinned, so that no later install can pull another torch.
+# Usage: source scripts/env.sh [TRANSFORMERS_VERSION]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${CHATGLM_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+CONSTRAINTS="$ROOT/scripts/constraints.txt"
+# Newest release the repository is tested against; the demo runs on it.
+DEFAULT_TRANSFORMERS="5.23.0"
+
+if [ ! -x "$PY" ]; then
+  python3 -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade pip
+fi
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  pip_install torch==2.13.0
+fi
+if ! "$PY" -c 'import accelerate, safetensors, sentencepiece, tiktoken, pytest, hypothesis' 2>/dev/null; then
+  pip_install accelerate safetensors sentencepiece tiktoken pytest hypothesis
+fi
+
+# use_transformers VERSION: swap the transformers release in the venv (its own tokenizers/huggingface-hub follow).
+use_transformers() {
+  local want="$1" have
+  have="$("$PY" -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)"
+  if [ "$have" != "$want" ]; then
+    pip_install "transformers==$want"
+  fi
+}
+use_transformers "${1:-$DEFAULT_TRANSFORMERS}"
+
+# Tests and the demo never reach a hub, and never reuse remote code cached by an earlier run.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export CHATGLM_SHARED_DIR="${CHATGLM_SHARED_DIR:-$(cd "$ROOT/.." && pwd)/shared}"
