@@ -749,17 +749,21 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
 
 def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, position_ids, inputs_embeds,
                                cache_position=None, use_cache=True, **kwargs):
-    """transformers 4.44 / 4.45 (in the compatibility layer's spirit; kept beside its only caller): keep the tokens
-    the cache has not seen, and the prompt embeddings on the first step only."""
+    """transformers 4.44 / 4.45 (kept beside its only caller): keep the tokens the cache has not seen, given by
+    `cache_position`, and the prompt embeddings on the first step only."""
     past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
     first_step = past_length == 0
+    if cache_position is None:
+        cache_position = torch.arange(past_length, input_ids.shape[1], device=input_ids.device)
     if not first_step:
-        input_ids = input_ids[:, past_length:]
-    model_inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None and first_step \
-        else {"input_ids": input_ids.contiguous()}
+        # With inputs_embeds, input_ids hold only the generated tokens: take the newest ones.
+        input_ids = input_ids[:, -cache_position.shape[0]:]
+    if inputs_embeds is not None and first_step:
+        model_inputs = {"inputs_embeds": inputs_embeds}
+    else:
+        model_inputs = {"input_ids": input_ids.contiguous()}
     if position_ids is not None:
-        length = next(iter(model_inputs.values())).shape[1]
-        model_inputs["position_ids"] = position_ids[:, -length:]
+        model_inputs["position_ids"] = position_ids[:, -cache_position.shape[0]:]
     model_inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
     model_inputs.update({k: v for k, v in kwargs.items() if k in ("output_attentions", "output_hidden_states")})
     return model_inputs

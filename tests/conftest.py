@@ -47,3 +47,158 @@ def copy_code_into(folder: Path) -> Path:
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     return shared_path()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Our code, golden checkpoints and tiny random models
+# ---------------------------------------------------------------------------------------------------------------------
+import importlib  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from packaging.version import Version  # noqa: E402
+
+TRANSFORMERS = Version(transformers.__version__)
+GOLDEN_CASES = ("glm4-chat-tiny", "chatglm3-tiny")
+FAMILIES = ("glm4", "chatglm3")
+
+
+def dtype_kwarg(dtype) -> dict:
+    """from_pretrained's dtype argument: `torch_dtype` until 4.56 renamed it `dtype`."""
+    return {"dtype": dtype} if TRANSFORMERS >= Version("4.56") else {"torch_dtype": dtype}
+
+
+def load_causal_lm(folder, **kwargs):
+    """Load a checkpoint folder exactly as a user does (trust_remote_code, fp32 unless told otherwise)."""
+    dtype = kwargs.pop("dtype", torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, **dtype_kwarg(dtype), **kwargs
+    )
+    return model.eval() if not isinstance(model, tuple) else model
+
+
+@pytest.fixture(scope="session")
+def chatglm(tmp_path_factory):
+    """Our code imported as a package, the same files a user gets through trust_remote_code."""
+    root = tmp_path_factory.mktemp("package")
+    package = root / "chatglm_under_test"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    copy_code_into(package)
+    sys.path.insert(0, str(root))
+    return SimpleNamespace(
+        ChatGLMConfig=importlib.import_module("chatglm_under_test.configuration_chatglm").ChatGLMConfig,
+        modeling=importlib.import_module("chatglm_under_test.modeling_chatglm"),
+    )
+
+
+@dataclass
+class GoldenCase:
+    """A checkpoint saved by the ORIGINAL code, with what the original computed on it (see shared/golden)."""
+
+    name: str
+    folder: Path  # the checkpoint with our code files dropped in
+    cases: dict
+    expected: dict
+
+    @property
+    def family(self) -> str:
+        return self.cases["family"]
+
+    @property
+    def gen_kwargs(self) -> dict:
+        return dict(self.cases["generation"]["kwargs"])
+
+    def load(self, **kwargs):
+        kwargs.setdefault("attn_implementation", "eager")
+        return load_causal_lm(self.folder, **kwargs)
+
+
+def make_golden_case(name: str, tmp_root: Path) -> GoldenCase:
+    from safetensors.torch import load_file
+
+    source = shared_path("golden", name)
+    # The remote-code module cache is keyed by folder name: one unique folder per case.
+    folder = tmp_root / f"golden_{name.replace('-', '_')}"
+    shutil.copytree(source / "checkpoint", folder)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+    copy_code_into(folder)
+    return GoldenCase(
+        name=name,
+        folder=folder,
+        cases=json.loads((source / "cases.json").read_text()),
+        expected=load_file(str(source / "expected.safetensors")),
+    )
+
+
+@pytest.fixture(scope="session", params=GOLDEN_CASES)
+def golden(request, tmp_path_factory) -> GoldenCase:
+    return make_golden_case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="session")
+def golden_model(golden):
+    """The golden checkpoint loaded as the original was run (eager attention, fp32)."""
+    return golden.load()
+
+
+# Small shapes that keep every feature in play: grouped-query attention, several layers, rotary on half a head.
+TINY_SIZES = dict(hidden_size=64, num_attention_heads=4, kv_channels=16, ffn_hidden_size=96, padded_vocab_size=256,
+                  num_layers=3, multi_query_group_num=2, seq_length=256)
+FAMILY_CONFIGS = {"glm4": ("configs", "glm-4-9b-chat", "config.json"),
+                  "chatglm3": ("configs", "chatglm3-6b", "config.json")}
+
+
+def tiny_config_dict(family: str, **overrides) -> dict:
+    """A family's real config.json with the sizes shrunk; every other field as the family ships it."""
+    config = json.loads(shared_path(*FAMILY_CONFIGS[family]).read_text())
+    config.update(TINY_SIZES)
+    if "num_hidden_layers" in config:
+        config["num_hidden_layers"] = config["num_layers"]
+    config.update(eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    config.update(overrides)
+    if "num_layers" in overrides and "num_hidden_layers" in config:
+        config["num_hidden_layers"] = overrides["num_layers"]
+    return config
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights large enough that attention is far from uniform and greedy choices are clear (as in the goldens)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+                if name.endswith("bias"):
+                    values -= 1.0
+            elif "word_embeddings" in name:
+                values = torch.randn(param.shape, generator=generator)
+            else:
+                values = 0.15 * torch.randn(param.shape, generator=generator)
+            param.copy_(values.to(param.dtype))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(chatglm):
+    """tiny_model(family, seed=0, **config_overrides) -> an fp32 ChatGLMForConditionalGeneration in eval mode."""
+
+    def build(family: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+        config = chatglm.ChatGLMConfig(**tiny_config_dict(family, **overrides))
+        config._attn_implementation = attn_implementation
+        torch.manual_seed(seed)
+        model = chatglm.modeling.ChatGLMForConditionalGeneration(config)
+        return randomize_(model, seed).eval()
+
+    return build
+
+
+def save_checkpoint(model, folder: Path) -> Path:
+    """save_pretrained plus our code files: a folder a user can load with trust_remote_code."""
+    model.save_pretrained(folder)
+    return copy_code_into(folder)

@@ -1,0 +1,72 @@
+"""Conversion of a ChatGLM checkpoint to transformers' own GlmForCausalLM (transformers >= 4.46): an independent
+implementation of the same architecture to compare against.
+
+Layout facts: the fused `query_key_value` is [all q | all k | all v] (multi-query attention); `dense_h_to_4h` is
+[gate | up], like Glm's `gate_up_proj`; the rotary base is 10000 * rope_ratio and half of each head turns, as
+interleaved pairs (Glm's partial_rotary_factor 0.5).
+"""
+import inspect
+
+import torch
+import transformers
+
+
+def native_glm_config(config, rope_theta=None):
+    """GlmConfig for a ChatGLMConfig. `rope_theta` overrides the base (to show what forgetting rope_ratio does)."""
+    theta = float(10000 * config.rope_ratio if rope_theta is None else rope_theta)
+    fields = dict(
+        vocab_size=config.padded_vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.multi_query_group_num,
+        head_dim=config.kv_channels,
+        rms_norm_eps=config.layernorm_epsilon,
+        attention_bias=config.add_qkv_bias,
+        max_position_embeddings=config.seq_length,
+        pad_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    if "rope_parameters" in inspect.signature(transformers.GlmConfig.__init__).parameters or hasattr(
+        transformers.GlmConfig, "rope_parameters"
+    ):
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.5}
+    else:
+        fields.update(rope_theta=theta, partial_rotary_factor=0.5)
+    return transformers.GlmConfig(**fields)
+
+
+def convert_state_dict(state_dict, config):
+    """ChatGLM keys and layout -> GlmForCausalLM's."""
+    q = config.num_attention_heads * config.kv_channels
+    kv = config.multi_query_group_num * config.kv_channels
+    out = {
+        "model.embed_tokens.weight": state_dict["transformer.embedding.word_embeddings.weight"],
+        "model.norm.weight": state_dict["transformer.encoder.final_layernorm.weight"],
+        "lm_head.weight": state_dict["transformer.output_layer.weight"],
+    }
+    for i in range(config.num_layers):
+        src, dst = f"transformer.encoder.layers.{i}.", f"model.layers.{i}."
+        for part in ("weight", "bias"):
+            fused = state_dict.get(src + f"self_attention.query_key_value.{part}")
+            if fused is not None:
+                for name, piece in zip(("q_proj", "k_proj", "v_proj"), fused.split([q, kv, kv], dim=0)):
+                    out[dst + f"self_attn.{name}.{part}"] = piece
+        out[dst + "self_attn.o_proj.weight"] = state_dict[src + "self_attention.dense.weight"]
+        out[dst + "mlp.gate_up_proj.weight"] = state_dict[src + "mlp.dense_h_to_4h.weight"]
+        out[dst + "mlp.down_proj.weight"] = state_dict[src + "mlp.dense_4h_to_h.weight"]
+        out[dst + "input_layernorm.weight"] = state_dict[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = state_dict[src + "post_attention_layernorm.weight"]
+    return out
+
+
+def native_glm(model, rope_theta=None, attn_implementation="eager"):
+    """A GlmForCausalLM holding the weights of our `model`."""
+    config = native_glm_config(model.config, rope_theta)
+    config._attn_implementation = attn_implementation
+    native = transformers.GlmForCausalLM(config).to(torch.float32)
+    missing, unexpected = native.load_state_dict(convert_state_dict(model.state_dict(), model.config), strict=False)
+    assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)
+    return native.eval()

@@ -1,0 +1,86 @@
+"""Generation: cache equivalence, left padding, static caches, position handling."""
+import pytest
+import torch
+from conftest import FAMILIES
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def random_ids(batch, length, seed):
+    return torch.randint(3, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_greedy_generation_with_and_without_cache_is_identical(tiny_model, family, attn):
+    model = tiny_model(family, attn_implementation=attn)
+    ids = random_ids(2, 11, seed=5)
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=20, use_cache=True, **GREEDY)
+        uncached = model.generate(ids, max_new_tokens=20, use_cache=False, **GREEDY)
+    assert cached.tolist() == uncached.tolist()
+
+
+def left_pad(sequences, pad_id=0):
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, length - len(seq):] = torch.tensor(seq)
+        mask[row, length - len(seq):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_left_padded_batch_equals_each_sequence_alone(tiny_model, family, attn):
+    model = tiny_model(family, attn_implementation=attn)
+    sequences = [random_ids(1, n, seed=n)[0].tolist() for n in (4, 13, 9)]
+    ids, mask = left_pad(sequences)
+    with torch.no_grad():
+        batch_logits = model(input_ids=ids, attention_mask=mask).logits
+        batch_generated = model.generate(ids, attention_mask=mask, max_new_tokens=10, **GREEDY)[:, ids.shape[1]:]
+        for row, seq in enumerate(sequences):
+            alone = model(input_ids=torch.tensor([seq])).logits[0]
+            torch.testing.assert_close(batch_logits[row, -len(seq):], alone, atol=1e-5, rtol=1e-5)
+            generated = model.generate(torch.tensor([seq]), max_new_tokens=10, **GREEDY)[0, len(seq):]
+            assert batch_generated[row].tolist() == generated.tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_with_cache_equals_one_forward(tiny_model, family):
+    """A multi-token step on top of a cache (chunked prefill, speculative decoding) is causal inside the chunk."""
+    model = tiny_model(family)
+    ids = random_ids(1, 24, seed=6)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        first = model(input_ids=ids[:, :10], use_cache=True)
+        second = model(input_ids=ids[:, 10:], past_key_values=first.past_key_values, use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_static_cache_generation_equals_dynamic(tiny_model):
+    model = tiny_model("glm4")
+    ids = random_ids(1, 9, seed=7)
+    with torch.no_grad():
+        dynamic = model.generate(ids, max_new_tokens=12, **GREEDY)
+        static = model.generate(ids, max_new_tokens=12, cache_implementation="static", **GREEDY)
+    assert static.tolist() == dynamic.tolist()
+
+
+def test_logits_to_keep_and_return_last_logit(tiny_model):
+    model = tiny_model("chatglm3")
+    ids = random_ids(2, 8, seed=8)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids, logits_to_keep=3).logits, full[:, -3:])
+        torch.testing.assert_close(model(input_ids=ids, return_last_logit=True).logits, full[:, -1:])
+
+
+def test_each_layer_cache_lives_on_its_layer_and_grows(tiny_model):
+    model = tiny_model("glm4")
+    ids = random_ids(2, 6, seed=9)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        out = model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+    assert out.past_key_values.get_seq_length() == 7

@@ -1,0 +1,154 @@
+"""Loading: drop-in checkpoints, every real config, config validation, bad input, no import side effects."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, TRANSFORMERS, Version, copy_code_into, load_causal_lm, save_checkpoint, shared_path
+
+REAL_CONFIGS = ("glm-4-9b-chat", "glm-4-9b-chat-1m", "glm-4-9b", "chatglm3-6b")
+ORIGINAL_AUTO_MAP = {
+    "AutoConfig": "configuration_chatglm.ChatGLMConfig",
+    "AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration",
+    "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
+    "AutoModelForSeq2SeqLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
+    "AutoModelForSequenceClassification": "modeling_chatglm.ChatGLMForSequenceClassification",
+}
+
+
+def test_original_checkpoint_loads_with_no_missing_or_unexpected_keys(golden):
+    model, info = load_causal_lm(golden.folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    keys = {k: list(v.shape) for k, v in model.state_dict().items()}
+    assert keys == golden.cases["checkpoint_keys"]
+
+
+def test_save_and_reload_keeps_keys_and_numbers(golden, golden_model, tmp_path):
+    folder = save_checkpoint(golden_model, tmp_path / f"resaved_{golden.family}")
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(golden.cases["checkpoint_keys"])
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["auto_map"] == ORIGINAL_AUTO_MAP
+    assert saved["num_layers"] == golden.cases["config"]["num_layers"]
+    reloaded = load_causal_lm(folder, attn_implementation="eager")
+    ids = golden.expected["seq_1_input_ids"][None]
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, golden_model(input_ids=ids).logits)
+
+
+def test_repository_config_is_glm_4_9b_chat_with_original_auto_map():
+    ours = json.loads((REPO / "config.json").read_text())
+    original = json.loads(shared_path("configs", "glm-4-9b-chat", "config.json").read_text())
+    assert ours == original
+    assert ours["auto_map"] == ORIGINAL_AUTO_MAP
+    assert json.loads((REPO / "generation_config.json").read_text()) == json.loads(
+        shared_path("configs", "glm-4-9b-chat", "generation_config.json").read_text())
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_real_configs_build_full_size_models(chatglm, name):
+    """Every field of the real configs is accepted, and the full-size model has the original keys and sizes."""
+    fields = json.loads(shared_path("configs", name, "config.json").read_text())
+    config = chatglm.ChatGLMConfig(**fields)
+    assert config.num_hidden_layers == config.num_layers == fields["num_layers"]  # chatglm3 has no num_hidden_layers
+    assert config.vocab_size == fields["padded_vocab_size"]
+    for key, value in fields.items():
+        if key not in ("torch_dtype", "transformers_version", "auto_map", "architectures", "_name_or_path",
+                       "attn_implementation", "num_hidden_layers"):
+            assert getattr(config, key) == value, key
+    with torch.device("meta"):
+        model = chatglm.modeling.ChatGLMForConditionalGeneration(config)
+    params = sum(p.numel() for p in model.parameters())
+    expected_billions = {"glm-4-9b-chat": 9.40, "glm-4-9b-chat-1m": 9.48, "glm-4-9b": 9.40, "chatglm3-6b": 6.24}[name]
+    assert abs(params / 1e9 - expected_billions) < 0.01, params
+    qkv = model.transformer.encoder.layers[0].self_attention.query_key_value.weight
+    kv_groups = fields["multi_query_group_num"]
+    assert list(qkv.shape) == [(32 + 2 * kv_groups) * 128, 4096]
+
+
+BAD_CONFIGS = [
+    ({"num_attention_heads": 6, "multi_query_group_num": 4}, "multi_query_group_num"),
+    ({"kv_channels": 18}, "kv_channels"),
+    ({"hidden_size": 0}, "hidden_size"),
+    ({"num_layers": -1}, "num_layers"),
+    ({"padded_vocab_size": 1.5}, "padded_vocab_size"),
+    ({"hidden_dropout": 1.0}, "hidden_dropout"),
+    ({"layernorm_epsilon": 0}, "layernorm_epsilon"),
+    ({"rope_ratio": 0}, "rope_ratio"),
+    ({"num_layers": 3, "num_hidden_layers": 4}, "num_hidden_layers"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD_CONFIGS, ids=[f for _, f in BAD_CONFIGS])
+def test_bad_config_raises_value_error_naming_the_field(chatglm, overrides, field):
+    with pytest.raises(ValueError, match=field):
+        chatglm.ChatGLMConfig(**{"multi_query_attention": True, "multi_query_group_num": 2, **overrides})
+
+
+def test_config_changed_after_construction_is_checked_by_the_model(chatglm):
+    config = chatglm.ChatGLMConfig(num_layers=1, hidden_size=32, ffn_hidden_size=32, kv_channels=8,
+                                   num_attention_heads=4, padded_vocab_size=64, multi_query_attention=True,
+                                   multi_query_group_num=2)
+    config.multi_query_group_num = 3
+    with pytest.raises(ValueError, match="multi_query_group_num"):
+        chatglm.modeling.ChatGLMForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("field,value,hint", [("quantization_bit", 4, "BitsAndBytesConfig"),
+                                              ("pre_seq_len", 128, "PEFT")])
+def test_unsupported_original_features_fail_with_a_way_out(chatglm, field, value, hint):
+    config = chatglm.ChatGLMConfig(num_layers=1, hidden_size=32, ffn_hidden_size=32, kv_channels=8,
+                                   num_attention_heads=4, padded_vocab_size=64, **{field: value})
+    with pytest.raises(ValueError, match=hint):
+        chatglm.modeling.ChatGLMForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("bad_id", [256, 10**6, -1])
+def test_token_ids_outside_the_vocabulary_raise_a_clear_error(tiny_model, bad_id):
+    model = tiny_model("glm4")
+    ids = torch.tensor([[5, 6, bad_id, 7]])
+    with pytest.raises(ValueError, match=r"outside this model's vocabulary \[0, 256\)"):
+        model(input_ids=ids)
+
+
+def test_import_has_no_global_side_effects(tmp_path):
+    """The original flipped torch's JIT fuser flags at import; ours changes no global torch state."""
+    package = tmp_path / "sidefx"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    copy_code_into(package)
+    probe = (
+        "import torch, sys\n"
+        "state = lambda: (torch._C._jit_can_fuse_on_cpu(), torch._C._jit_can_fuse_on_gpu(),"
+        " torch._C._get_graph_executor_optimize(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled())\n"
+        "before = state()\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import sidefx.modeling_chatglm\n"
+        "assert state() == before, (before, state())\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True)
+    assert "torch._C._jit" not in (REPO / "modeling_chatglm.py").read_text()
+
+
+@pytest.mark.skipif(TRANSFORMERS >= Version("5.0"), reason="transformers 5 removed legacy tuple caches")
+def test_legacy_tuple_cache_is_accepted_and_returned(tiny_model):
+    model = tiny_model("glm4")
+    ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits[0, -1]
+        prefill = model(input_ids=ids[:, :-1], use_cache=True).past_key_values
+        legacy = prefill.to_legacy_cache()
+        step = model(input_ids=ids[:, -1:], past_key_values=legacy, use_cache=True)
+    assert isinstance(step.past_key_values, tuple) and step.past_key_values[0][0].shape[2] == 9
+    torch.testing.assert_close(step.logits[0, -1], full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(TRANSFORMERS < Version("5.0"), reason="tuple caches still work before transformers 5")
+def test_legacy_tuple_cache_error_says_what_to_do(tiny_model):
+    model = tiny_model("glm4")
+    past = tuple((torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16)) for _ in range(3))
+    with pytest.raises(TypeError, match="Cache"):
+        model(input_ids=torch.tensor([[5]]), past_key_values=past)

@@ -1,0 +1,153 @@
+"""Numbers: the original code's golden outputs, transformers' own GlmForCausalLM, and a plain reference forward."""
+import pytest
+import torch
+from conftest import TRANSFORMERS, Version
+from native_glm import native_glm
+from reference_glm import reference_logits
+
+# FORMAT.md: the original reproduces itself bit for bit; thread count and SDPA vs eager move logits by ~2e-5.
+LOGITS_ATOL = 1e-4
+LOSS_ATOL = 1e-5
+
+
+def relative_max_error(actual, expected):
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def assert_logits_close(actual, expected):
+    assert relative_max_error(actual, expected) < 1e-5
+    torch.testing.assert_close(actual, expected, atol=LOGITS_ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_single_sequences_match_golden(golden, attn):
+    model = golden.load(attn_implementation=attn)
+    e = golden.expected
+    with torch.no_grad():
+        for i in range(3):
+            ids, labels = e[f"seq_{i}_input_ids"][None], e[f"seq_{i}_labels"][None]
+            out = model(input_ids=ids, labels=labels, use_cache=False)
+            assert_logits_close(out.logits[0], e[f"seq_{i}_logits"])
+            assert out.loss.dtype == torch.float32
+            torch.testing.assert_close(out.loss, e[f"seq_{i}_loss"], atol=LOSS_ATOL, rtol=0)
+
+
+def test_padded_batch_matches_golden(golden, golden_model):
+    e = golden.expected
+    real = e["attention_mask"].bool()
+    with torch.no_grad():
+        out = golden_model(input_ids=e["input_ids"], attention_mask=e["attention_mask"],
+                           position_ids=e["position_ids"], labels=e["labels"], use_cache=False)
+        assert_logits_close(out.logits[real], e["batch_logits"][real])
+        torch.testing.assert_close(out.loss, e["batch_loss"], atol=LOSS_ATOL, rtol=0)
+        # Without position_ids they come from the mask: the same numbers, padding or not.
+        out = golden_model(input_ids=e["input_ids"], attention_mask=e["attention_mask"], use_cache=False)
+        assert_logits_close(out.logits[real], e["batch_logits"][real])
+        assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize("explicit_positions", [True, False], ids=["position_ids", "no_position_ids"])
+def test_cached_step_matches_golden(golden, golden_model, explicit_positions):
+    """The original put the new token at position 0 when position_ids were not given; we count from the cache."""
+    e = golden.expected
+    with torch.no_grad():
+        for i in range(3):
+            seq = e[f"seq_{i}_input_ids"][None]
+            n = seq.shape[1]
+            prefill = golden_model(input_ids=seq[:, : n - 1], use_cache=True)
+            kwargs = {"position_ids": torch.tensor([[n - 1]])} if explicit_positions else {}
+            step = golden_model(input_ids=seq[:, n - 1:], past_key_values=prefill.past_key_values, use_cache=True,
+                                **kwargs)
+            assert_logits_close(step.logits[0, -1], e[f"seq_{i}_incr_logits"])
+
+
+def test_greedy_generation_matches_golden(golden, golden_model):
+    e = golden.expected
+    gen_kwargs = golden.gen_kwargs
+    with torch.no_grad():
+        for i in range(3):
+            seq = e[f"seq_{i}_input_ids"][None]
+            out = golden_model.generate(input_ids=seq, attention_mask=torch.ones_like(seq),
+                                        position_ids=torch.arange(seq.shape[1])[None], **gen_kwargs)
+            assert out.sequences[0, seq.shape[1]:].tolist() == e[f"seq_{i}_gen_tokens"].tolist()
+            assert_logits_close(torch.stack(out.logits, 1)[0], e[f"seq_{i}_gen_logits"])
+            plain = golden_model.generate(input_ids=seq, **gen_kwargs)  # no mask, no positions
+            assert plain.sequences[0, seq.shape[1]:].tolist() == e[f"seq_{i}_gen_tokens"].tolist()
+
+
+def test_padded_batch_generation_matches_golden(golden, golden_model):
+    e = golden.expected
+    with torch.no_grad():
+        for kwargs in ({"position_ids": e["position_ids"]}, {}):
+            out = golden_model.generate(input_ids=e["input_ids"], attention_mask=e["attention_mask"],
+                                        **kwargs, **golden.gen_kwargs)
+            assert out.sequences[:, e["input_ids"].shape[1]:].tolist() == e["batch_gen_tokens"].tolist()
+            assert_logits_close(torch.stack(out.logits, 1), e["batch_gen_logits"])
+
+
+# --- transformers' own GlmForCausalLM --------------------------------------------------------------------------------
+
+needs_native_glm = pytest.mark.skipif(TRANSFORMERS < Version("4.46"), reason="GlmForCausalLM arrived in 4.46")
+
+
+@needs_native_glm
+def test_golden_checkpoint_matches_native_glm(golden, golden_model):
+    native = native_glm(golden_model)
+    ids = golden.expected["seq_2_input_ids"][None]
+    with torch.no_grad():
+        ours, theirs = golden_model(input_ids=ids, use_cache=False).logits, native(input_ids=ids).logits
+    assert relative_max_error(ours, theirs) < 1e-5
+
+
+@needs_native_glm
+@pytest.mark.parametrize("family", ["glm4", "chatglm3"])
+def test_native_glm_parity_and_rope_ratio_sensitivity(tiny_model, family):
+    """Parity with GlmForCausalLM, and proof that it is sensitive: a converter that forgets rope_ratio (base 10000
+    instead of 10000 * rope_ratio) is far off."""
+    model = tiny_model(family, rope_ratio=500)
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(input_ids=ids, use_cache=False).logits
+        right = native_glm(model)(input_ids=ids).logits
+        forgot_rope_ratio = native_glm(model, rope_theta=10000)(input_ids=ids).logits
+    assert relative_max_error(ours, right) < 1e-5
+    assert (ours - forgot_rope_ratio).abs().max() > 100 * LOGITS_ATOL
+
+
+@needs_native_glm
+def test_native_glm_greedy_generation_identical(tiny_model):
+    model = tiny_model("glm4")
+    native = native_glm(model)
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        assert model.generate(ids, **kwargs).tolist() == native.generate(ids, **kwargs).tolist()
+
+
+# --- every config flag against a plain reference forward -------------------------------------------------------------
+
+FLAG_CASES = {
+    "defaults": {},
+    "full_multi_head": {"multi_query_attention": False},
+    "layernorm": {"rmsnorm": False},
+    "linear_biases": {"add_bias_linear": True},
+    "no_qkv_bias": {"add_qkv_bias": False},
+    "no_post_layer_norm": {"post_layer_norm": False},
+    "residual_after_layernorm": {"apply_residual_connection_post_layernorm": True},
+    "no_layer_scaling_no_fp32_softmax": {"apply_query_key_layer_scaling": False, "attention_softmax_in_fp32": False},
+    "rope_ratio": {"rope_ratio": 50},
+    "fp32_residual": {"fp32_residual_connection": True},
+    "one_group": {"multi_query_group_num": 1},
+}
+
+
+@pytest.mark.parametrize("family", ["glm4", "chatglm3"])
+@pytest.mark.parametrize("flags", list(FLAG_CASES), ids=list(FLAG_CASES))
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_config_flags_match_reference(tiny_model, family, flags, attn):
+    model = tiny_model(family, attn_implementation=attn, **FLAG_CASES[flags])
+    ids = torch.randint(3, 256, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(input_ids=ids, use_cache=False).logits
+    expected = reference_logits(model.state_dict(), model.config, ids)
+    assert relative_max_error(ours, expected) < 1e-5
