@@ -8,6 +8,20 @@ config readable by code written for modern transformers models: `num_hidden_laye
 from transformers import PretrainedConfig
 
 
+# Fields that only the first-generation ChatGLM-6B config has: its weights have other names and shapes, and loading
+# them here would leave every layer randomly initialised.
+FIRST_GENERATION_FIELDS = ("position_encoding_2d", "inner_hidden_size", "gmask_token_id")
+
+
+def reject_other_families(fields: dict):
+    found = [name for name in FIRST_GENERATION_FIELDS if name in fields]
+    if found:
+        raise ValueError(
+            f"This config has {', '.join(found)}: it is a first-generation ChatGLM-6B checkpoint, whose weights this "
+            "code (ChatGLM2/3 and GLM-4) cannot load. Keep that checkpoint's own modeling files."
+        )
+
+
 class ChatGLMConfig(PretrainedConfig):
     model_type = "chatglm"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -45,6 +59,7 @@ class ChatGLMConfig(PretrainedConfig):
         use_cache=True,
         **kwargs,
     ):
+        reject_other_families(kwargs)
         # GLM-4 configs carry both names; a disagreement would silently build the wrong depth.
         num_hidden_layers = kwargs.pop("num_hidden_layers", None)
         if num_hidden_layers is not None and num_hidden_layers != num_layers:

@@ -195,6 +195,68 @@ def execution_device(module: nn.Module) -> torch.device:
     raise ValueError(f"{type(module).__name__} has no parameters or buffers to place it on a device")
 
 
+def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
+    """An explicit device map for `devices` (e.g. ["cuda:0", "cuda:1"]): embedding and rotary table on the first,
+    final norm and output layer on the last, the blocks in contiguous runs that balance the parameter count.
+    The successor of ChatGLM3's `load_model_on_gpus`, whose maps missed modules."""
+    devices = list(devices)
+    if not devices:
+        raise ValueError("balanced_device_map needs at least one device")
+    vocab_weights = config.padded_vocab_size * config.hidden_size
+    block = (AttentionSizes.from_config(config).qkv_features * config.hidden_size
+             + config.num_attention_heads * config.kv_channels * config.hidden_size
+             + 3 * config.ffn_hidden_size * config.hidden_size)
+    items = (["transformer.embedding"] + [f"transformer.encoder.layers.{i}" for i in range(config.num_layers)]
+             + ["transformer.output_layer"])
+    sizes = [vocab_weights] + [block] * config.num_layers + [vocab_weights]
+    share = sum(sizes) / len(devices)
+    device_map, start = {}, 0
+    for name, size in zip(items, sizes):
+        device_map[name] = devices[min(len(devices) - 1, int((start + size / 2) // share))]
+        start += size
+    device_map["transformer.rotary_pos_emb"] = device_map["transformer.embedding"]
+    device_map["transformer.encoder.final_layernorm"] = device_map["transformer.output_layer"]
+    return device_map
+
+
+def check_device_map(model: nn.Module, device_map: dict):
+    """Refuse a device map that leaves a parameter or buffer unplaced, names a module the model lacks (for example
+    the first-generation ChatGLM-6B's names), or splits a block; before any weight is read."""
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+
+    def covers(entry, name):
+        return entry == "" or name == entry or name.startswith(entry + ".")
+
+    def placement(name):  # the most specific entry wins, as in accelerate
+        entries = [entry for entry in device_map if covers(entry, name)]
+        return str(device_map[max(entries, key=len)]) if entries else None
+
+    placed = {name: placement(name) for name in names}
+    missing = [name for name, device in placed.items() if device is None]
+    unknown = [entry for entry in device_map if not any(covers(entry, name) for name in names)]
+    block_devices = {}
+    for name, device in placed.items():
+        if name.startswith("transformer.encoder.layers.") and device is not None:
+            block_devices.setdefault(".".join(name.split(".")[:4]), set()).add(device)
+    split = [block for block, devices in block_devices.items() if len(devices) > 1]
+    if not (missing or unknown or split):
+        return
+    problems = []
+    if missing:
+        problems.append(f"it places no device for {len(missing)} parameters and buffers: "
+                        + ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else ""))
+    if unknown:
+        problems.append("it names modules this model does not have: " + ", ".join(unknown[:8])
+                        + (", ..." if len(unknown) > 8 else ""))
+    if split:
+        problems.append("it splits blocks across entries (each GLMBlock must sit on one device): " + ", ".join(split))
+    raise ValueError(
+        "device_map does not fit this ChatGLM2/3 / GLM-4 model: " + "; ".join(problems) + ". Use "
+        "device_map='auto' (or 'balanced', 'sequential' with max_memory), or build a complete map with "
+        "balanced_device_map(config, devices) from modeling_chatglm."
+    )
+
+
 class LayerInputs:
     """What every layer reads besides the hidden states (rotary cos/sin, attention mask, the cache slots of the new
     tokens), made once per forward and copied to each device that holds layers once, not once per layer."""
@@ -494,6 +556,21 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     _supports_cache_class = True  # 4.x: generate() hands us Cache objects
     _supports_static_cache = True
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' from_pretrained, with an explicit device_map checked before any weight is read."""
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, dict):
+            config = kwargs.get("config")
+            if not isinstance(config, ChatGLMConfig):
+                config = ChatGLMConfig.from_pretrained(
+                    pretrained_model_name_or_path,
+                    **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs},
+                )
+            with torch.device("meta"):
+                check_device_map(cls(config), device_map)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
     def _init_weights(self, module):
         """Random weights for models built from a config (the original left them uninitialised)."""
         std = getattr(self.config, "initializer_range", 0.02)
@@ -688,11 +765,11 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
         return_dict: Optional[bool] = None,
         return_last_logit: Optional[bool] = False,
         logits_to_keep: Union[int, torch.Tensor] = 0,
-        **kwargs,
+        **loss_kwargs,  # the Trainer of 4.46-4.48 passes num_items_in_batch only to a `**loss_kwargs` by that name
     ):
-        """`labels` give the causal-LM loss in fp32 (-100 ignored); `num_items_in_batch` (from the Trainer, in
-        kwargs) makes it a sum divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of
-        the last positions only."""
+        """`labels` give the causal-LM loss in fp32 (-100 ignored); `num_items_in_batch` (from the Trainer) makes it a
+        sum divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of the last positions
+        only. Other keyword arguments (generate's `cache_position` before 5.x, say) are ignored."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.transformer(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
@@ -713,7 +790,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            num_items_in_batch = kwargs.get("num_items_in_batch")
+            num_items_in_batch = loss_kwargs.get("num_items_in_batch")
             if isinstance(num_items_in_batch, torch.Tensor):
                 num_items_in_batch = device_boundary(num_items_in_batch, logits.device)
             loss = causal_lm_loss(

@@ -152,3 +152,11 @@ def test_legacy_tuple_cache_error_says_what_to_do(tiny_model):
     past = tuple((torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16)) for _ in range(3))
     with pytest.raises(TypeError, match="Cache"):
         model(input_ids=torch.tensor([[5]]), past_key_values=past)
+
+
+def test_first_generation_chatglm_6b_config_is_refused(chatglm):
+    """ChatGLM-6B (v1) names itself model_type "chatglm" too; its weights would all be missing here."""
+    v1_fields = dict(hidden_size=4096, inner_hidden_size=16384, num_layers=28, num_attention_heads=32,
+                     position_encoding_2d=True, gmask_token_id=130001, vocab_size=130528, max_sequence_length=2048)
+    with pytest.raises(ValueError, match="first-generation ChatGLM-6B"):
+        chatglm.ChatGLMConfig(**v1_fields)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The test suite on the transformers version matrix, in one virtual environment (torch installed once, transformers
+# swapped per version). The oldest and newest versions run everything; the versions between them skip the tests
+# marked `matrix_ends` (multi-device and tensor-parallel runs, the slowest). Prints one summary line at the end.
+#   scripts/test.sh                 # the whole matrix
+#   scripts/test.sh 5.23.0 -k parity   # one version, extra pytest arguments
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0)
+if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+\.[0-9]+ ]]; then MATRIX=("$1"); shift; fi
+OLDEST=4.44.2; NEWEST=5.23.0
+REPORTS="$(mktemp -d)"
+status=0
+for version in "${MATRIX[@]}"; do
+  echo "=== transformers $version ==="
+  selection=()
+  if [ "$version" != "$OLDEST" ] && [ "$version" != "$NEWEST" ]; then selection=(-m "not matrix_ends"); fi
+  (source "$ROOT/scripts/env.sh" "$version" >/dev/null && cd "$ROOT" && \
+    "$PY" -m pytest -q "${selection[@]}" --junitxml="$REPORTS/$version.xml" "$@")
+  rc=$?
+  # Any non-zero exit fails the run: set-up errors, test failures, and pytest's 5 for "no test collected".
+  if [ $rc -ne 0 ]; then status=1; echo "transformers $version: exited $rc"; fi
+done
+python3 - "$REPORTS" <<'PY'
+import sys, pathlib, xml.etree.ElementTree as ET
+passed = failed = skipped = 0
+for report in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
+    for suite in ET.parse(report).getroot().iter("testsuite"):
+        tests, fail = int(suite.get("tests")), int(suite.get("failures")) + int(suite.get("errors"))
+        skip = int(suite.get("skipped"))
+        print(f"  transformers {report.stem}: {tests - fail - skip} passed, {fail} failed, {skip} skipped")
+        passed += tests - fail - skip; failed += fail; skipped += skip
+print(f"matrix: {passed} passed, {failed} failed, {skipped} skipped")
+PY
+rm -rf "$REPORTS"
+exit $status
