@@ -10,7 +10,6 @@ them all. No boundary relies on accelerate's hooks moving a tensor.
 """
 
 import inspect
-import math
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple, Union
 
@@ -809,6 +808,17 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def generate(self, inputs=None, **kwargs):
+        """transformers' generate(), with the prompt tensors on the embedding's device first: before 5.x, a prompt
+        left on the CPU warns and keeps every step's growing inputs on the CPU."""
+        device = execution_device(self.transformer.embedding)
+        if isinstance(inputs, torch.Tensor):
+            inputs = device_boundary(inputs, device)
+        for name in ("input_ids", "attention_mask", "position_ids", "inputs_embeds"):
+            if isinstance(kwargs.get(name), torch.Tensor):
+                kwargs[name] = device_boundary(kwargs[name], device)
+        return super().generate(inputs, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       position_ids=None, inputs_embeds=None, **kwargs):
