@@ -202,3 +202,8 @@ def save_checkpoint(model, folder: Path) -> Path:
     """save_pretrained plus our code files: a folder a user can load with trust_remote_code."""
     model.save_pretrained(folder)
     return copy_code_into(folder)
+
+# tools/ holds the checks the GPU script shares with the tests (tools/device_check.py).
+sys.path.insert(0, str(REPO / "tools"))
+
+from tokenizer_fixtures import *  # noqa: E402,F401,F403  (tokenizer fixtures, shared by several test modules)

@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""Batch-encode throughput of the GLM-4 tokenizers, all measured in this one process.
+
+    python benchmarks/tokenizer_throughput.py [--seconds 2] [--batch-size 32]
+
+Compares, on the plain-text reference texts of shared/tokvec (repeated into batches, padded):
+
+* baseline -- the original tokenizer's approach, reimplemented here: tiktoken's ids turned into byte tokens one by
+  one, then back into ids one by one through transformers' added-token lookup (which rebuilds its table for every
+  token), inside the same transformers batch pipeline;
+* slow     -- our ChatGLM4Tokenizer (tokenization_chatglm.py);
+* fast     -- PreTrainedTokenizerFast on the tokenizer.json written by tools/convert_glm4_tokenizer_to_fast.py.
+
+All three must produce the same input_ids before anything is timed. Prints texts/s, tokens/s and the ratio to the
+baseline. Needs the shared data folder (CHATGLM_SHARED_DIR, default ../shared).
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR", REPO.parent / "shared"))
+SPECIALS = ("<|", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>")
+
+
+def prepare_folder(workdir: Path) -> Path:
+    folder = workdir / "glm4-benchmark"
+    folder.mkdir()
+    for item in (SHARED / "tokenizers" / "glm-4-9b-chat").iterdir():
+        shutil.copyfile(item, folder / item.name)
+    shutil.copyfile(REPO / "tokenization_chatglm.py", folder / "tokenization_chatglm.py")
+    sys.path.insert(0, str(REPO / "tools"))
+    import convert_glm4_tokenizer_to_fast
+
+    convert_glm4_tokenizer_to_fast.build_fast_tokenizer(folder / "tokenizer.model").save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def load_texts() -> list:
+    path = SHARED / "tokvec" / "glm4.jsonl"
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    # Plain text only, so that every tokenizer agrees without special-token options.
+    return [r["text"] for r in records if r["kind"] == "encode" and not any(s in r["text"] for s in SPECIALS)]
+
+
+def baseline_class(slow_class):
+    """The original's encode path on top of our class (same transformers pipeline, same padding)."""
+
+    class OriginalApproach(slow_class):
+        def tokenize(self, text, **kwargs):
+            return [self.tokenizer.decode_single_token_bytes(i) for i in self.tokenizer.encode(text, disallowed_special=())]
+
+        def convert_tokens_to_ids(self, tokens):
+            if isinstance(tokens, (str, bytes)):
+                return self._original_token_to_id(tokens)
+            return [self._original_token_to_id(token) for token in tokens]
+
+        def _original_token_to_id(self, token):
+            # transformers 4.x: `added_tokens_encoder` is a property that sorts and rebuilds a dict on every call.
+            added = {t.content: i for i, t in sorted(self._added_tokens_decoder.items(), key=lambda item: item[0])}
+            if token in added:
+                return added[token]
+            return self.mergeable_ranks[token]
+
+    return OriginalApproach
+
+
+def texts_per_second(encode, batches, seconds: float) -> float:
+    texts = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for batch in batches:
+            encode(batch)
+            texts += len(batch)
+    return texts / (time.perf_counter() - start)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=2.0, help="time per tokenizer")
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="glm4-bench-") as workdir:
+        os.environ["HF_MODULES_CACHE"] = str(Path(workdir) / "modules")
+        import transformers
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        transformers.logging.set_verbosity_error()  # the fast load warns that the config names the slow class
+
+        folder = prepare_folder(Path(workdir))
+        slow = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+        baseline = baseline_class(type(slow)).from_pretrained(str(folder))
+        fast = PreTrainedTokenizerFast.from_pretrained(str(folder))
+
+        texts = load_texts()
+        batches = [texts[i:i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
+        runs = {
+            "baseline": lambda batch: baseline(batch, padding=True)["input_ids"],
+            "slow": lambda batch: slow(batch, padding=True)["input_ids"],
+            "fast": lambda batch: fast(batch, padding=True)["input_ids"],
+        }
+        reference = [runs["baseline"](batch) for batch in batches]
+        for name, run in runs.items():
+            if [run(batch) for batch in batches] != reference:
+                raise SystemExit(f"{name} gives different input_ids than the baseline")
+
+        tokens_per_text = sum(len(slow.encode(text)) for text in texts) / len(texts)  # padding not counted
+        print(f"transformers {transformers.__version__}; {len(texts)} texts ({tokens_per_text:.0f} tokens on "
+              f"average), batches of {args.batch_size}, {args.seconds:.1f} s each, "
+              f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM', '(unset)')}")
+        results = {name: texts_per_second(run, batches, args.seconds) for name, run in runs.items()}
+        print(f"{'tokenizer':<10}{'texts/s':>12}{'tokens/s':>14}{'vs baseline':>14}")
+        for name, rate in results.items():
+            print(f"{name:<10}{rate:>12,.0f}{rate * tokens_per_text:>14,.0f}{rate / results['baseline']:>13.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,999 @@
+"""Tokenizers of GLM-4 (`ChatGLM4Tokenizer`) and ChatGLM3 (`ChatGLMTokenizer`).
+
+This file replaces the `tokenization_chatglm.py` of a downloaded glm-4-9b-chat / glm-4-9b / glm-4-9b-chat-1m or
+chatglm3-6b checkpoint: copy it over the original and load the folder as before,
+`AutoTokenizer.from_pretrained(folder, trust_remote_code=True)`. The folder's own `tokenizer.model` and
+`tokenizer_config.json` are used unchanged. It runs on transformers 4.44 up to 5.x.
+
+Token ids are the originals' wherever the originals were right. What differs, on purpose:
+
+* Text that looks like a control token stays text. `tok("<|user|>")` encodes those eight characters like any other
+  text; control tokens come from `add_special_tokens=True` (the `[gMASK]<sop>` prefix), from the chat template, or
+  when the caller asks for them: `tok(text, split_special_tokens=False)` for one call, or
+  `AutoTokenizer.from_pretrained(folder, trust_remote_code=True, split_special_tokens=False)` for a tokenizer. In that
+  mode GLM-4 parses its 14 special tokens and ChatGLM3 its 9 control tokens ("sop"/"eop" only as whole words).
+  A tokenizer left at the default warns once the first time such text is encoded as text, because code that
+  tokenizes `apply_chat_template(..., tokenize=False)` output relied on the originals parsing it.
+  Tokens added with `add_tokens` (not special) are always matched, as in transformers.
+* `apply_chat_template(..., tokenize=True)` parses the control tokens the template writes, while control-token text
+  inside messages, tools or documents stays text. It returns the ids as `list[int]` (a tensor with `return_tensors`)
+  unless `return_dict=True`, which returns a `BatchEncoding`, on every transformers version (transformers 5 changed
+  its own default to a dict). For ChatGLM3 the ids are those of `build_chat_input` (role tokens, tools and metadata
+  included), the format the model was trained with; the Jinja text of `tokenize=False` is unchanged. For GLM-4 the
+  tool sections keep the blank line the template writes before each `## <tool>` heading (transformers' trim_blocks
+  dropped it), which is also what GLM-4's own Python prompt builder produced; pass `chat_template=` explicitly to
+  render a template exactly as transformers does.
+* `decode` is byte-exact: no spaces are inserted around special tokens (`spaces_between_special_tokens` is accepted
+  and ignored), ids without a token decode to "" without repeating earlier bytes, and `skip_special_tokens=True`
+  removes ChatGLM3's control tokens too.
+* Padding honours `padding_side` "left" and "right" (attribute or call argument). `position_ids` count the real
+  tokens from 0 and are 0 on padding, on either side. `return_attention_mask=False` omits both `attention_mask` and
+  `position_ids`.
+* A pair encodes as `[gMASK] <sop> A B <eos>` (GLM-4 raised KeyError('<eos>')).
+* ChatGLM3: `len(tokenizer) == vocab_size == 64798`, and all 9 control tokens are special tokens.
+* A missing or damaged `tokenizer.model` raises an error naming the file and what was expected; text that is not a
+  `str` raises TypeError.
+"""
+
+import base64
+import binascii
+import hashlib
+import inspect
+import json
+import numbers
+import os
+import re
+import secrets
+import shutil
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+from transformers import PreTrainedTokenizer
+from transformers.tokenization_utils_base import BatchEncoding, PreTrainedTokenizerBase
+from transformers.utils import PaddingStrategy, logging
+
+logger = logging.get_logger(__name__)
+
+VOCAB_FILES_NAMES = {"vocab_file": "tokenizer.model"}
+
+
+def _import_tiktoken():
+    # Imported on first use and inside `try`: transformers' remote-code import check skips imports in try blocks,
+    # so a ChatGLM3 checkpoint does not need tiktoken installed, nor a GLM-4 one sentencepiece.
+    try:
+        import tiktoken
+    except ImportError as err:
+        raise ImportError("ChatGLM4Tokenizer needs the `tiktoken` package: pip install tiktoken") from err
+    return tiktoken
+
+
+def _import_sentencepiece():
+    try:
+        import sentencepiece
+    except ImportError as err:
+        raise ImportError("ChatGLMTokenizer needs the `sentencepiece` package: pip install sentencepiece") from err
+    return sentencepiece
+
+
+# ======================================================================================================================
+# transformers version compatibility: every difference between the supported transformers releases is handled here.
+# ======================================================================================================================
+
+# transformers < 4.46: pad() and _pad() have no `padding_side` argument, and a `padding_side=` call argument is
+# dropped with a warning. The mixin below honours it by setting the attribute for the duration of the call.
+_PAD_TAKES_PADDING_SIDE = "padding_side" in inspect.signature(PreTrainedTokenizerBase.pad).parameters
+
+# transformers < 5: `_batch_encode_plus` consumes `split_special_tokens` and calls tokenize() without it, so a per-call
+# value was lost for batches. The mixin forwards it under a private name that our tokenize() reads.
+_HAS_BATCH_ENCODE_PLUS = hasattr(PreTrainedTokenizer, "_batch_encode_plus")
+_SPLIT_FLAG_KWARG = "_chatglm_split_special_tokens"
+
+# transformers < 5: encode_plus / batch_encode_plus are public entry points that need the same input check.
+_HAS_ENCODE_PLUS = hasattr(PreTrainedTokenizerBase, "encode_plus")
+
+
+# transformers 5.x after 5.0: apply_chat_template takes `sanitize_control_tokens`. Ours always keeps control-token text
+# from the messages as text, so the option is accepted and dropped (passed on, transformers would render the chat
+# with markers meant for its own encoder).
+_CHAT_OPTIONS_ALWAYS_ON = ("sanitize_control_tokens",)
+
+
+def _build_errors_are_masked() -> bool:
+    """transformers 4.46 to at least 5.0 (5.23 is fixed): from_pretrained wraps the tokenizer's construction in
+    `except import_protobuf_decode_error():`, which raises ImportError when protobuf is not installed -- so any error
+    of ours (say, a damaged tokenizer.model) surfaces as an unrelated "requires protobuf" ImportError."""
+    try:
+        from transformers.tokenization_utils_base import import_protobuf_decode_error
+
+        import_protobuf_decode_error()
+    except ImportError as err:
+        return "protobuf" in str(err).lower()
+    except Exception:  # noqa: BLE001 - any other surprise: assume errors pass through
+        return False
+    return False
+
+
+_BUILD_ERRORS_MASKED = _build_errors_are_masked()
+
+
+class _TransformersCompat:
+    """Shims for older transformers releases (see the flags above)."""
+
+    @contextmanager
+    def _padding_side_from(self, kwargs: dict):
+        """transformers < 4.46: apply a `padding_side` call argument by setting the attribute while the call runs."""
+        side = None if _PAD_TAKES_PADDING_SIDE else kwargs.pop("padding_side", None)
+        if side is None:
+            yield
+            return
+        _check_padding_side(side)
+        saved, self.padding_side = self.padding_side, side
+        try:
+            yield
+        finally:
+            self.padding_side = saved
+
+    if not _PAD_TAKES_PADDING_SIDE:
+
+        def pad(self, *args, padding_side=None, **kwargs):
+            with self._padding_side_from({"padding_side": padding_side}):
+                return super().pad(*args, **kwargs)
+
+    if _BUILD_ERRORS_MASKED:
+
+        @classmethod
+        def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+            # Check a local tokenizer.model before transformers builds the tokenizer, so its error is the one raised.
+            folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+            vocab_file = kwargs.get("vocab_file") or os.path.join(folder, VOCAB_FILES_NAMES["vocab_file"])
+            if os.path.isdir(folder):
+                cls._check_model_file(_read_vocab_file(vocab_file, cls.__name__, cls.EXPECTED_FILE))
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    if _HAS_BATCH_ENCODE_PLUS:
+
+        def _batch_encode_plus(self, *args, split_special_tokens=None, **kwargs):
+            if split_special_tokens is None:
+                return super()._batch_encode_plus(*args, **kwargs)
+            kwargs[_SPLIT_FLAG_KWARG] = split_special_tokens
+            return super()._batch_encode_plus(*args, split_special_tokens=split_special_tokens, **kwargs)
+
+    if _HAS_ENCODE_PLUS:
+
+        def encode_plus(self, text, text_pair=None, **kwargs):
+            _check_text_input(text, "text")
+            _check_text_input(text_pair, "text_pair")
+            with self._padding_side_from(kwargs):
+                return super().encode_plus(text, text_pair=text_pair, **kwargs)
+
+        def batch_encode_plus(self, batch_text_or_text_pairs, **kwargs):
+            _check_text_input(batch_text_or_text_pairs, "batch_text_or_text_pairs")
+            with self._padding_side_from(kwargs):
+                return super().batch_encode_plus(batch_text_or_text_pairs, **kwargs)
+
+
+# ======================================================================================================================
+# Helpers shared by both tokenizers
+# ======================================================================================================================
+
+
+def _check_padding_side(side: str) -> None:
+    if side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_text_input(value, name: str) -> None:
+    """Accept what transformers accepts as text: a str, a list of str (batch or words), a list of token ids, or a
+    list of those lists. Anything else (None aside) is a TypeError rather than a confusing failure later."""
+    if value is None or isinstance(value, str):
+        return
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, str) or _is_token_id(item):
+                continue
+            if isinstance(item, (list, tuple)) and all(isinstance(x, str) or _is_token_id(x) for x in item):
+                continue
+            raise TypeError(f"{name} must hold str (or token ids); found an item of type {type(item).__name__}")
+        return
+    raise TypeError(f"{name} must be a str or a list of str, got {type(value).__name__}")
+
+
+def _alternation(tokens: Iterable[str], whole_word: Iterable[str] = ()) -> Optional["re.Pattern"]:
+    """A capturing regex matching any of `tokens`, longest first; those in `whole_word` only when not inside a word."""
+    whole_word = set(whole_word)
+    alternatives = []
+    for token in sorted(set(tokens), key=len, reverse=True):
+        escaped = re.escape(token)
+        alternatives.append(rf"(?<!\w){escaped}(?!\w)" if token in whole_word else escaped)
+    return re.compile("(" + "|".join(alternatives) + ")") if alternatives else None
+
+
+class _ChatTextGuard:
+    """Keeps control-token text in user-supplied chat strings from becoming control tokens.
+
+    Before rendering, every occurrence of a control token's text in the messages (and tools, documents, extra
+    template variables) is replaced by a placeholder that carries a per-call random number; after rendering, the
+    control tokens left in the text are the template's own. The placeholders are put back inside the plain-text
+    pieces before these are encoded, so the user's text is encoded exactly as the same text anywhere else.
+    """
+
+    def __init__(self, control_texts: Iterable[str]):
+        self._texts = sorted(set(control_texts), key=len, reverse=True)
+        self._find = _alternation(self._texts)
+        # Private-use characters around digits: no case or JSON escaping changes them.
+        nonce = "%012d" % secrets.randbelow(10**12)
+        self._open, self._close = "\ue000" + nonce + ":", "\ue001"
+        self._placeholder = re.compile(re.escape(self._open) + r"(\d+)" + re.escape(self._close))
+
+    def protect(self, obj):
+        if isinstance(obj, str):
+            if self._find is None:
+                return obj
+            return self._find.sub(lambda m: f"{self._open}{self._texts.index(m.group(0))}{self._close}", obj)
+        if isinstance(obj, dict):
+            return {key: self.protect(value) for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [self.protect(value) for value in obj]
+        if hasattr(obj, "messages") and not isinstance(obj, type):  # a pipeline `Chat` object
+            return self.protect(obj.messages)
+        return obj
+
+    def restore(self, text: str) -> str:
+        return self._placeholder.sub(lambda m: self._texts[int(m.group(1))], text)
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' optional `clean_up_tokenization_spaces` rewrite (off in the GLM configs)."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+def _read_vocab_file(vocab_file, tokenizer_name: str, expected: str) -> str:
+    # ValueError, not FileNotFoundError: transformers replaces any OSError raised while building a tokenizer by a
+    # generic "Unable to load vocabulary" message that names neither the file nor what it should contain.
+    if vocab_file is None or not os.path.isfile(vocab_file):
+        raise ValueError(
+            f"{tokenizer_name}: tokenizer.model not found (looked for {vocab_file!r}); expected {expected} "
+            "next to tokenizer_config.json in the checkpoint folder."
+        )
+    return os.fspath(vocab_file)
+
+
+# ======================================================================================================================
+# Shared tokenizer logic
+# ======================================================================================================================
+
+
+class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
+    """What GLM-4 and ChatGLM3 share: control tokens, special-token parsing, padding, decoding and chat templates.
+
+    A subclass loads its model in `_load_model` and provides `_encode_text` / `_tokenize` (plain text, no control
+    tokens), `_decode_run`, `_base_token_to_id` / `_base_id_to_token` and `_base_vocab`.
+    """
+
+    vocab_files_names = VOCAB_FILES_NAMES
+    model_input_names = ["input_ids", "attention_mask", "position_ids"]
+    padding_side = "left"
+
+    CONTROL_TOKENS: Tuple[str, ...] = ()  # in id order, starting right after the model's own vocabulary
+    PREFIX_TOKENS: Tuple[str, ...] = ()  # added in front of every sequence by add_special_tokens=True
+    WHOLE_WORD_CONTROL_TOKENS: Tuple[str, ...] = ()  # parsed only when not inside a word
+    EOS_TOKEN = ""
+    EXPECTED_FILE = ""
+    # Whether a token removed by skip_special_tokens still separates the decoding of the pieces around it.
+    SKIPPED_TOKEN_ENDS_RUN = False
+
+    def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False,
+                 split_special_tokens=None, **kwargs):
+        _check_padding_side(padding_side)
+        # None: the default (control-token text stays text), which warns once when such text shows up; see tokenize.
+        self._warn_on_control_text = split_special_tokens is None
+        split_special_tokens = True if split_special_tokens is None else split_special_tokens
+        self.vocab_file = _read_vocab_file(vocab_file, type(self).__name__, self.EXPECTED_FILE)
+        first_control_id = self._load_model(self.vocab_file)
+        self.control_token_ids: Dict[str, int] = {
+            token: first_control_id + index for index, token in enumerate(self.CONTROL_TOKENS)
+        }
+        self._control_by_id = {index: token for token, index in self.control_token_ids.items()}
+        self._split_patterns: Dict[tuple, Optional[re.Pattern]] = {}
+        # Every control token is a special token (skipped by skip_special_tokens, listed in all_special_tokens).
+        # transformers 5 renamed additional_special_tokens to extra_special_tokens; it converts the old name.
+        if kwargs.get("additional_special_tokens") is None and kwargs.get("extra_special_tokens") is None:
+            kwargs["additional_special_tokens"] = list(self.CONTROL_TOKENS)
+        super().__init__(
+            padding_side=padding_side,
+            clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+            split_special_tokens=split_special_tokens,
+            **kwargs,
+        )
+
+    # ---- vocabulary ----------------------------------------------------------------------------------------------
+
+    def _reserved_ids(self) -> set:
+        """Ids whose meaning is fixed by the model: control tokens (and, for ChatGLM3, SentencePiece's own)."""
+        return set(self._control_by_id)
+
+    def get_vocab(self) -> Dict[Union[str, bytes], int]:
+        vocab = dict(self._base_vocab())
+        vocab.update(self.control_token_ids)
+        vocab.update(self._added_tokens_encoder)
+        return vocab
+
+    def get_command(self, token: str) -> int:
+        """Id of a control token, e.g. `get_command("<|user|>")` (API of the original tokenizers)."""
+        if token in self.control_token_ids:
+            return self.control_token_ids[token]
+        raise KeyError(f"{token!r} is not a control token of {type(self).__name__}")
+
+    def get_prefix_tokens(self) -> List[int]:
+        return [self.control_token_ids[token] for token in self.PREFIX_TOKENS]
+
+    def _convert_token_to_id(self, token):
+        if isinstance(token, str) and token in self.control_token_ids:
+            return self.control_token_ids[token]
+        return self._base_token_to_id(token)
+
+    def _convert_id_to_token(self, index: int):
+        if index in self._control_by_id:
+            return self._control_by_id[index]
+        return self._base_id_to_token(index)
+
+    def _token_to_id(self, token):
+        if isinstance(token, str):
+            added = self._added_tokens_encoder.get(token)
+            if added is not None:
+                return added
+        return self._convert_token_to_id(token)
+
+    def convert_tokens_to_ids(self, tokens):
+        # One dict lookup per token (transformers 4.x rebuilds its added-token table for every token).
+        if tokens is None:
+            return None
+        if isinstance(tokens, (str, bytes)):
+            return self._token_to_id(tokens)
+        return [self._token_to_id(token) for token in tokens]
+
+    def save_vocabulary(self, save_directory: str, filename_prefix: Optional[str] = None) -> Tuple[str]:
+        if not os.path.isdir(save_directory):
+            raise ValueError(f"save_vocabulary: {save_directory!r} is not a directory")
+        name = (filename_prefix + "-" if filename_prefix else "") + VOCAB_FILES_NAMES["vocab_file"]
+        target = os.path.join(save_directory, name)
+        if os.path.abspath(self.vocab_file) != os.path.abspath(target):
+            shutil.copyfile(self.vocab_file, target)
+        return (target,)
+
+    # ---- encoding ------------------------------------------------------------------------------------------------
+
+    def _special_texts(self) -> List[str]:
+        """Texts parsed only on request: the control tokens and any special token a user added."""
+        reserved = self._reserved_ids()
+        user_specials = [
+            token.content for index, token in self._added_tokens_decoder.items()
+            if token.special and index not in reserved
+        ]
+        return list(self.CONTROL_TOKENS) + user_specials
+
+    def _user_vocabulary_texts(self) -> List[str]:
+        """Non-special tokens added with `add_tokens`: always matched, as in transformers."""
+        reserved = self._reserved_ids()
+        return [
+            token.content for index, token in self._added_tokens_decoder.items()
+            if not token.special and index not in reserved
+        ]
+
+    def _split_pattern(self, parse_special: bool) -> Optional["re.Pattern"]:
+        always = tuple(self._user_vocabulary_texts())
+        specials = tuple(self._special_texts()) if parse_special else ()
+        key = (always, specials)
+        if key not in self._split_patterns:
+            self._split_patterns[key] = _alternation(always + specials, self.WHOLE_WORD_CONTROL_TOKENS)
+        return self._split_patterns[key]
+
+    def _segments(self, text: str, parse_special: bool) -> Iterable[Tuple[str, bool]]:
+        """Split `text` into (piece, is_token) pairs: whole added/control tokens and the plain text between them."""
+        pattern = self._split_pattern(parse_special)
+        if pattern is None:
+            return [(text, False)] if text else []
+        pieces = pattern.split(text)
+        # re.split with one capturing group alternates text, token, text, ...
+        return [(piece, index % 2 == 1) for index, piece in enumerate(pieces) if piece]
+
+    def _parse_special_requested(self, kwargs: dict) -> bool:
+        split = kwargs.pop("split_special_tokens", None)
+        forwarded = kwargs.pop(_SPLIT_FLAG_KWARG, None)
+        if split is None:
+            split = forwarded
+        if split is None:
+            split = self.split_special_tokens
+        return not split
+
+    def tokenize(self, text, **kwargs) -> list:
+        """Tokens of `text`: control tokens stay text unless `split_special_tokens=False` (see the module doc).
+
+        Tokens added with `add_tokens` match exactly where they occur (their lstrip/rstrip/single_word flags are not
+        applied). Other keyword arguments are accepted and ignored, as transformers passes its own through here.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"{type(self).__name__}.tokenize expects a str, got {type(text).__name__}")
+        parse_special = self._parse_special_requested(kwargs)
+        # transformers 5 passes the tokenizer's own setting on every call, so only the tokenizer's choice counts here
+        if self._warn_on_control_text and not parse_special:
+            self._warn_if_control_text(text)
+        tokens = []
+        for piece, is_token in self._segments(text, parse_special):
+            if is_token:
+                tokens.append(piece)
+            else:
+                tokens.extend(self._tokenize(piece))
+        return tokens
+
+    def _warn_if_control_text(self, text: str):
+        """The originals parsed control-token text; code that tokenizes apply_chat_template(tokenize=False) output
+        relies on that. Say once what changed rather than silently feed the model its role tokens as text."""
+        pattern = self._split_pattern(parse_special=True)
+        match = pattern.search(text) if pattern is not None else None
+        if match is not None and match.group(0) in self._special_texts():
+            self._warn_on_control_text = False
+            logger.warning(
+                f"{type(self).__name__}: the text holds {match.group(0)!r}, encoded as plain text (user text never "
+                "becomes a control token here). To encode control tokens written as text, such as the output of "
+                "apply_chat_template(..., tokenize=False), pass split_special_tokens=False to the call or to "
+                "from_pretrained; or use apply_chat_template(..., tokenize=True)."
+            )
+
+    def _encode_segments(self, text: str, parse_special: bool,
+                         restore: Optional[Callable[[str], str]] = None) -> List[int]:
+        """Text to ids without building tokens; `restore` rewrites the plain-text pieces first (chat templates)."""
+        ids: List[int] = []
+        for piece, is_token in self._segments(text, parse_special):
+            if is_token:
+                ids.append(self._token_to_id(piece))
+            elif restore is not None:
+                ids.extend(self._encode_segments(restore(piece), parse_special=False))
+            else:
+                ids.extend(self._encode_text(piece))
+        return ids
+
+    def __call__(self, text=None, text_pair=None, text_target=None, text_pair_target=None, *args, **kwargs):
+        for name, value in (("text", text), ("text_pair", text_pair), ("text_target", text_target),
+                            ("text_pair_target", text_pair_target)):
+            _check_text_input(value, name)
+        with self._padding_side_from(kwargs):
+            return super().__call__(text, text_pair, text_target, text_pair_target, *args, **kwargs)
+
+    def encode(self, text, text_pair=None, *args, **kwargs):
+        if text is None:
+            raise TypeError("encode() needs text, got None")
+        _check_text_input(text, "text")
+        _check_text_input(text_pair, "text_pair")
+        with self._padding_side_from(kwargs):
+            return super().encode(text, text_pair, *args, **kwargs)
+
+    def build_inputs_with_special_tokens(self, token_ids_0: List[int], token_ids_1: Optional[List[int]] = None):
+        ids = self.get_prefix_tokens() + list(token_ids_0)
+        if token_ids_1 is not None:
+            ids += list(token_ids_1) + [self.eos_token_id]
+        return ids
+
+    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False):
+        if already_has_special_tokens:
+            if token_ids_1 is not None:
+                raise ValueError("token_ids_1 must be None when the ids already contain special tokens")
+            special = set(self.all_special_ids) | set(self._control_by_id)
+            return [1 if index in special else 0 for index in token_ids_0]
+        mask = [1] * len(self.PREFIX_TOKENS) + [0] * len(token_ids_0)
+        if token_ids_1 is not None:
+            mask += [0] * len(token_ids_1) + [1]
+        return mask
+
+    def create_token_type_ids_from_sequences(self, token_ids_0, token_ids_1=None):
+        # GLM models have no token types.
+        return [0] * len(self.build_inputs_with_special_tokens(token_ids_0, token_ids_1))
+
+    # ---- padding -------------------------------------------------------------------------------------------------
+
+    def _pad(self, encoded_inputs, max_length=None, padding_strategy=PaddingStrategy.DO_NOT_PAD,
+             pad_to_multiple_of=None, padding_side=None, return_attention_mask=None) -> dict:
+        side = padding_side if padding_side is not None else self.padding_side
+        _check_padding_side(side)
+        if return_attention_mask is None:
+            return_attention_mask = "attention_mask" in self.model_input_names
+        length = len(encoded_inputs[self.model_input_names[0]])
+
+        if padding_strategy == PaddingStrategy.LONGEST:
+            max_length = length
+        if max_length is not None and pad_to_multiple_of is not None and max_length % pad_to_multiple_of:
+            max_length = (max_length // pad_to_multiple_of + 1) * pad_to_multiple_of
+
+        # position_ids come with the attention mask: both describe where the real tokens are.
+        if return_attention_mask:
+            encoded_inputs.setdefault("attention_mask", [1] * length)
+            encoded_inputs.setdefault("position_ids", list(range(length)))
+
+        missing = (max_length - length) if padding_strategy != PaddingStrategy.DO_NOT_PAD and max_length else 0
+        if missing > 0:
+            fill = {
+                self.model_input_names[0]: self.pad_token_id,
+                "attention_mask": 0,
+                "position_ids": 0,
+                "token_type_ids": self.pad_token_type_id,
+                "special_tokens_mask": 1,
+            }
+            for key, value in fill.items():
+                if key in encoded_inputs:
+                    padding = [value] * missing
+                    row = list(encoded_inputs[key])
+                    encoded_inputs[key] = padding + row if side == "left" else row + padding
+        return encoded_inputs
+
+    # ---- decoding ------------------------------------------------------------------------------------------------
+
+    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None,
+                spaces_between_special_tokens=None, **kwargs) -> str:
+        # `spaces_between_special_tokens` is accepted for compatibility and ignored: decode never adds text.
+        if _is_token_id(token_ids):
+            token_ids = [token_ids]
+        skipped = (set(self.all_special_ids) | set(self._control_by_id)) if skip_special_tokens else set()
+        added = self._added_tokens_decoder
+        reserved = self._reserved_ids()
+        parts: List[str] = []
+        run: List[int] = []
+        for index in map(int, token_ids):
+            token_text = self._control_by_id.get(index)
+            if token_text is None and index in added and index not in reserved:
+                token_text = added[index].content
+            if token_text is None:
+                if index not in skipped:
+                    run.append(index)
+                continue
+            if run and (index not in skipped or self.SKIPPED_TOKEN_ENDS_RUN):
+                parts.append(self._decode_run(run))
+                run = []
+            if index not in skipped:
+                parts.append(token_text)
+        if run:
+            parts.append(self._decode_run(run))
+        text = self._join_decoded(parts)
+        cleanup = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None \
+            else clean_up_tokenization_spaces
+        return _clean_up_tokenization(text) if cleanup else text
+
+    def _join_decoded(self, parts: List) -> str:
+        return "".join(parts)
+
+    # ---- chat templates ------------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
+                            add_generation_prompt=False, tokenize=True, padding=False, truncation=False,
+                            max_length=None, return_tensors=None, return_dict=False,
+                            return_assistant_tokens_mask=False, tokenizer_kwargs=None, **kwargs):
+        """Render a conversation with the chat template; with `tokenize=True` encode it safely (see module doc).
+
+        Returns the rendered text (`tokenize=False`), else the ids as a list (or a tensor with `return_tensors`),
+        or a `BatchEncoding` with `return_dict=True` -- the same on every transformers version.
+        """
+        if return_assistant_tokens_mask:
+            raise ValueError("return_assistant_tokens_mask needs {% generation %} blocks, which GLM templates lack")
+        for option in _CHAT_OPTIONS_ALWAYS_ON:
+            kwargs.pop(option, None)
+        conversations, batched = self._as_conversations(conversation)
+        if not tokenize:
+            rendered = [
+                self._render_chat(conv, tools, documents, chat_template, add_generation_prompt, kwargs)
+                for conv in conversations
+            ]
+            return rendered if batched else rendered[0]
+        all_ids = []
+        for conv in conversations:
+            ids = self._chat_ids_without_template(conv, add_generation_prompt, chat_template)
+            if ids is None:
+                ids = self._chat_ids_from_template(conv, tools, documents, chat_template, add_generation_prompt,
+                                                   kwargs)
+            all_ids.append(ids)
+        return self._package_chat_ids(all_ids, batched, padding, truncation, max_length, return_tensors,
+                                      return_dict, tokenizer_kwargs or {})
+
+    @staticmethod
+    def _as_conversations(conversation) -> Tuple[list, bool]:
+        first = conversation[0] if isinstance(conversation, (list, tuple)) and conversation else None
+        if isinstance(first, (list, tuple)) or hasattr(first, "messages"):
+            return [getattr(conv, "messages", conv) for conv in conversation], True
+        return [getattr(conversation, "messages", conversation)], False
+
+    def _resolve_chat_template(self, chat_template: Optional[str], tools) -> str:
+        return self.get_chat_template(chat_template, tools)
+
+    def _render_chat(self, conversation, tools, documents, chat_template, add_generation_prompt, kwargs) -> str:
+        template = self._resolve_chat_template(chat_template, tools)
+        return super().apply_chat_template(
+            conversation, tools=tools, documents=documents, chat_template=template,
+            add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs,
+        )
+
+    def _chat_ids_without_template(self, conversation, add_generation_prompt, chat_template) -> Optional[List[int]]:
+        """Hook for a tokenizer that builds chat ids in Python; None means "use the template"."""
+        return None
+
+    def _chat_ids_from_template(self, conversation, tools, documents, chat_template, add_generation_prompt,
+                                kwargs) -> List[int]:
+        guard = _ChatTextGuard(self._special_texts())
+        rendered = self._render_chat(
+            guard.protect(conversation), guard.protect(tools), guard.protect(documents), chat_template,
+            add_generation_prompt, {key: guard.protect(value) for key, value in kwargs.items()},
+        )
+        return self._encode_segments(rendered, parse_special=True, restore=guard.restore)
+
+    def _package_chat_ids(self, all_ids, batched, padding, truncation, max_length, return_tensors, return_dict,
+                          tokenizer_kwargs):
+        tokenizer_kwargs = {key: value for key, value in tokenizer_kwargs.items() if key != "add_special_tokens"}
+        if not (return_dict or padding or truncation or return_tensors or tokenizer_kwargs):
+            return all_ids if batched else all_ids[0]
+        if batched:
+            rows = [
+                self.prepare_for_model(ids, add_special_tokens=False, truncation=truncation, max_length=max_length,
+                                       return_attention_mask=False)["input_ids"]
+                for ids in all_ids
+            ]
+            encoded = self.pad({"input_ids": rows}, padding=padding, max_length=max_length,
+                               return_tensors=return_tensors, **tokenizer_kwargs)
+        else:
+            encoded = self.prepare_for_model(all_ids[0], add_special_tokens=False, padding=padding,
+                                             truncation=truncation, max_length=max_length,
+                                             return_tensors=return_tensors, prepend_batch_axis=bool(return_tensors),
+                                             **tokenizer_kwargs)
+        return encoded if return_dict else encoded["input_ids"]
+
+
+# ======================================================================================================================
+# GLM-4
+# ======================================================================================================================
+
+# GLM-4's pre-tokenization regex (a fact of the model, as stored by tiktoken).
+GLM4_PAT_STR = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+GLM4_N_RANKS = 151329
+
+# The prompt format of glm-4-9b-chat (its tokenizer_config.json chat_template). Used when a checkpoint has no
+# template (glm-4-9b base), where the original tokenizer built the same prompt in Python.
+_GLM4_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for item in messages %}"
+    "{% if item['tools'] is defined %}<|system|>\n"
+    "你是一个名为 ChatGLM 的人工智能助手。你是基于智谱AI训练的语言模型 GLM-4 模型开发的，你的任务是针对用户的问题和要求提供适当的答复和支持。\n"
+    "\n"
+    "# 可用工具"
+    "{% set tools = item['tools'] %}"
+    "{% for tool in tools %}"
+    "{% if tool['type'] == 'function' %}\n"
+    "\n"
+    "## {{ tool['function']['name'] }}\n"
+    "\n"
+    "{{ tool['function'] | tojson(indent=4) }}\n"
+    "在调用上述函数时，请使用 Json 格式表示调用的参数。"
+    "{% elif tool['type'] == 'python' %}\n"
+    "\n"
+    "## python\n"
+    "\n"
+    "当你向 `python` 发送包含 Python 代码的消息时，该代码将会在一个有状态的 Jupyter notebook 环境中执行。\n"
+    "`python` 返回代码执行的输出，或在执行 60 秒后返回超时。\n"
+    "`/mnt/data` 将会持久化存储你的文件。在此会话中，`python` 无法访问互联网。不要使用 `python` 进行任何网络请求或者在线 API 调用，这些在线内容的访问将不会成功。"
+    "{% elif tool['type'] == 'simple_browser' %}\n"
+    "\n"
+    "## simple_browser\n"
+    "\n"
+    "你可以使用 `simple_browser` 工具。该工具支持以下函数：\n"
+    "`search(query: str, recency_days: int)`：使用搜索引擎进行查询并显示结果，可以使用 `recency_days` 参数控制搜索内容的时效性。\n"
+    "`mclick(ids: list[int])`：获取一系列指定 id 的页面内容。每次调用时，须选择3-10个页面。选择多个角度的页面，同时尽可能选择可信任的信息来源。考虑到部分页面是无法加载的，你也可以多打开一些可能有用的页面而不用担心内容过多。\n"
+    "`open_url(url: str)`：打开指定的 URL。\n"
+    "\n"
+    "使用 `【{引用 id}†{引用文本}】` 来引用内容。\n"
+    "\n"
+    "操作步骤：1. 使用 `search` 来获得信息列表; 2. 使用 `mclick` 来获取指定 ID 页面的内容; 3. 根据获得的内容进行回复。在回复中应当引用信息来源。\n"
+    " 如果用户提供了 URL，也可以用 `open_url` 直接打开页面。\n"
+    "如果初次搜索结果没有找到合适的信息，也可以再次使用 `search` 进行搜索。"
+    "{% elif tool['type'] == 'cogview' %}\n"
+    "\n"
+    "## cogview\n"
+    "\n"
+    "如果用户的请求中包含了对图像的描述，你可以使用 `cogview` 来生成图像并展示给用户。你需要向 `cogview` 发送图像描述，规则：\n"
+    "- 发送给 `cogview` 的消息必须使用英语。用户的中文描述必须完全翻译为英语。\n"
+    "- 应当尽可能详细地描述图像生成的需求，需求描述约 100 英文单词。\n"
+    "- 保持用户原始描述的意图。不要虚构内容或者没见过的人物。\n"
+    "- 如无特殊说明，所在地为中国，持有中国立场并遵循中国社会主义价值观。"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] }}\n"
+    "{{ item['content'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% endif %}"
+)
+
+# transformers renders templates with trim_blocks=True, which drops the newline right after a block tag. GLM-4's
+# template writes "{% if tool... %}\n\n## name", meaning a blank line before each tool heading (as GLM-4's Python
+# prompt builder wrote it), but rendered only one newline. One more newline after the tag survives the trim.
+_NEWLINES_BEFORE_HEADING_AFTER_TAG = re.compile(r"(\{%[^%]*%\})\n\n(## )")
+
+
+def keep_glm4_tool_heading_newlines(template: str) -> str:
+    """GLM-4 template with the blank line before each `## <tool>` heading kept under trim_blocks (idempotent)."""
+    return _NEWLINES_BEFORE_HEADING_AFTER_TAG.sub(r"\1\n\n\n\2", template)
+
+
+def read_tiktoken_ranks(path: str) -> Dict[bytes, int]:
+    """Parse GLM-4's tokenizer.model: one "<base64 token> <rank>" per line, ranks 0..151328."""
+    expected = (f"GLM-4's tiktoken BPE file: {GLM4_N_RANKS} lines of '<base64 token> <rank>' "
+                f"with ranks 0..{GLM4_N_RANKS - 1}")
+    ranks: Dict[bytes, int] = {}
+    with open(path, "rb") as handle:
+        for line_number, line in enumerate(handle, 1):
+            fields = line.split()
+            if not fields:
+                continue
+            try:
+                if len(fields) != 2:
+                    raise ValueError("wrong number of fields")
+                token, rank = base64.b64decode(fields[0], validate=True), int(fields[1])
+            except (ValueError, binascii.Error):
+                raise ValueError(
+                    f"{path}: line {line_number} is not '<base64 token> <rank>'; expected {expected}"
+                ) from None
+            ranks[token] = rank
+    if len(ranks) != GLM4_N_RANKS or sorted(ranks.values()) != list(range(GLM4_N_RANKS)):
+        raise ValueError(f"{path}: found {len(ranks)} distinct tokens; expected {expected}")
+    return ranks
+
+
+class ChatGLM4Tokenizer(_GLMTokenizerBase):
+    """GLM-4 tokenizer: tiktoken byte-level BPE (151329 ranks) plus 14 special tokens at ids 151329..151342."""
+
+    CONTROL_TOKENS = (
+        "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+        "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
+        "<|end_of_video|>",
+    )
+    PREFIX_TOKENS = ("[gMASK]", "<sop>")
+    EOS_TOKEN = "<|endoftext|>"
+    EXPECTED_FILE = "GLM-4's tiktoken BPE file"
+
+    def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False, **kwargs):
+        kwargs.setdefault("eos_token", self.EOS_TOKEN)
+        kwargs.setdefault("pad_token", self.EOS_TOKEN)
+        super().__init__(vocab_file, padding_side=padding_side,
+                         clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+
+    @classmethod
+    def _check_model_file(cls, vocab_file: str) -> None:
+        read_tiktoken_ranks(vocab_file)
+
+    def _load_model(self, vocab_file: str) -> int:
+        tiktoken = _import_tiktoken()
+        ranks = read_tiktoken_ranks(vocab_file)
+        self.mergeable_ranks = ranks
+        self._id_to_bytes = [b""] * len(ranks)
+        for token, rank in ranks.items():
+            self._id_to_bytes[rank] = token
+        specials = {token: len(ranks) + index for index, token in enumerate(self.CONTROL_TOKENS)}
+        # `tokenizer` is the original's name for the tiktoken encoder (tok.tokenizer.encode(text, ...)).
+        self.tokenizer = tiktoken.Encoding(
+            name="glm4", pat_str=GLM4_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
+        )
+        self.special_tokens = specials
+        return len(ranks)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._id_to_bytes)
+
+    def _base_vocab(self) -> Dict[bytes, int]:
+        return self.mergeable_ranks
+
+    def _base_token_to_id(self, token):
+        if isinstance(token, str):
+            token = token.encode("utf-8")
+        return self.mergeable_ranks.get(token)
+
+    def _base_id_to_token(self, index: int):
+        # Ids without a token (negative, or past the special tokens) give "", as in the original.
+        return self._id_to_bytes[index] if 0 <= index < len(self._id_to_bytes) else ""
+
+    def _encode_text(self, text: str) -> List[int]:
+        return self.tokenizer.encode_ordinary(text)
+
+    def _tokenize(self, text: str, **kwargs) -> List[bytes]:
+        """Byte tokens of plain text (bytes, as in the original; control tokens are str)."""
+        return [self._id_to_bytes[index] for index in self.tokenizer.encode_ordinary(text)]
+
+    def _decode_run(self, ids: List[int]) -> bytes:
+        size = len(self._id_to_bytes)
+        return b"".join(self._id_to_bytes[index] for index in ids if 0 <= index < size)
+
+    def _join_decoded(self, parts: List) -> str:
+        # Byte runs and token texts are joined as bytes first, so a character split around a skipped special
+        # token is still whole; invalid UTF-8 becomes U+FFFD.
+        return b"".join(part.encode("utf-8") if isinstance(part, str) else part for part in parts).decode(
+            "utf-8", errors="replace"
+        )
+
+    def convert_tokens_to_string(self, tokens: List[Union[bytes, str]]) -> str:
+        return self._join_decoded(list(tokens))
+
+    def build_single_message(self, role: str, metadata: str, message: str) -> List[int]:
+        """`<|role|>metadata\\nmessage` as ids, message encoded as plain text (API of the original)."""
+        if role not in ("system", "user", "assistant", "observation"):
+            raise ValueError(f"unknown role {role!r}")
+        return [self.get_command(f"<|{role}|>")] + self._encode_text(f"{metadata}\n") + self._encode_text(message)
+
+    def _resolve_chat_template(self, chat_template, tools) -> str:
+        if chat_template is not None:
+            return self.get_chat_template(chat_template, tools)  # explicit: rendered as given
+        template = self.get_chat_template(None, tools) if self.chat_template is not None else _GLM4_CHAT_TEMPLATE
+        return keep_glm4_tool_heading_newlines(template)
+
+
+# ======================================================================================================================
+# ChatGLM3
+# ======================================================================================================================
+
+CHATGLM3_N_PIECES = 64789
+# sha256 of chatglm3-6b's Jinja chat_template. With that template, tokenize=True builds the ids in Python (like
+# build_chat_input) because the template cannot express ChatGLM3's format: it drops tools and metadata and writes
+# role tokens and SentencePiece's word-start markers as text.
+_CHATGLM3_STOCK_TEMPLATE_SHA256 = "e4496f930bf7b7bc7e7cf8232e90fd43ab4a9d8eb9c77f6ec98f5beb5c5cbeaa"
+_CHATGLM3_ROLES = ("system", "user", "assistant", "observation")
+
+
+class _SentencePieceModel:
+    """ChatGLM3's SentencePiece model with its control tokens (the original's `tokenizer.tokenizer`)."""
+
+    def __init__(self, path: str, control_tokens: Tuple[str, ...]):
+        sentencepiece = _import_sentencepiece()
+        expected = f"ChatGLM3's SentencePiece model ({CHATGLM3_N_PIECES} pieces)"
+        self.sp_model = sentencepiece.SentencePieceProcessor()
+        try:
+            self.sp_model.Load(path)
+        except (OSError, RuntimeError) as err:
+            raise ValueError(f"{path}: not a SentencePiece model ({err}); expected {expected}") from None
+        if self.sp_model.vocab_size() != CHATGLM3_N_PIECES:
+            raise ValueError(f"{path}: has {self.sp_model.vocab_size()} pieces; expected {expected}")
+        self.n_words = self.sp_model.vocab_size()
+        self.bos_id, self.eos_id, self.pad_id = self.sp_model.bos_id(), self.sp_model.eos_id(), self.sp_model.unk_id()
+        self.special_tokens = {token: self.n_words + index for index, token in enumerate(control_tokens)}
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> List[int]:
+        ids = self.sp_model.encode(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def tokenize(self, text: str) -> List[str]:
+        return self.sp_model.encode(text, out_type=str)
+
+    def decode(self, ids: List[int]) -> str:
+        # SentencePiece's control pieces (<unk>, <s>, </s>) and ids outside the model decode to "" (the original's
+        # behaviour; byte fallback means text never produces <unk>).
+        control = (self.bos_id, self.eos_id, self.pad_id)
+        return self.sp_model.decode([index for index in ids if 0 <= index < self.n_words and index not in control])
+
+
+class ChatGLMTokenizer(_GLMTokenizerBase):
+    """ChatGLM3 tokenizer: SentencePiece (64789 pieces) plus 9 control tokens at ids 64789..64797."""
+
+    CONTROL_TOKENS = (
+        "[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+    )
+    PREFIX_TOKENS = ("[gMASK]", "sop")
+    WHOLE_WORD_CONTROL_TOKENS = ("sop", "eop")
+    # Text after a control token was encoded on its own (with SentencePiece's word-start marker), so it is decoded
+    # on its own even when the control token is skipped: the result is the text without the control token.
+    SKIPPED_TOKEN_ENDS_RUN = True
+    EOS_TOKEN = "</s>"
+    EXPECTED_FILE = "ChatGLM3's SentencePiece model"
+
+    def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False, **kwargs):
+        kwargs.setdefault("eos_token", self.EOS_TOKEN)
+        kwargs.setdefault("unk_token", "<unk>")
+        kwargs.setdefault("pad_token", "<unk>")
+        super().__init__(vocab_file, padding_side=padding_side,
+                         clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+        # The original's `special_tokens` attribute: SentencePiece's own control pieces by name.
+        self.special_tokens = {"<bos>": self.tokenizer.bos_id, "<eos>": self.tokenizer.eos_id,
+                               "<unk>": self.tokenizer.pad_id, "<pad>": self.tokenizer.pad_id}
+
+    @classmethod
+    def _check_model_file(cls, vocab_file: str) -> None:
+        _SentencePieceModel(vocab_file, cls.CONTROL_TOKENS)
+
+    def _load_model(self, vocab_file: str) -> int:
+        self.tokenizer = _SentencePieceModel(vocab_file, self.CONTROL_TOKENS)
+        return self.tokenizer.n_words
+
+    def get_command(self, token: str) -> int:
+        """Id of a control token, or of "<bos>", "<eos>", "<unk>", "<pad>" (API of the original)."""
+        if token in self.special_tokens:
+            return self.special_tokens[token]
+        return super().get_command(token)
+
+    def _reserved_ids(self) -> set:
+        sp = self.tokenizer
+        return super()._reserved_ids() | {sp.bos_id, sp.eos_id, sp.pad_id}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.n_words + len(self.CONTROL_TOKENS)
+
+    def _base_vocab(self) -> Dict[str, int]:
+        if not hasattr(self, "_piece_vocab"):
+            sp_model = self.tokenizer.sp_model
+            self._piece_vocab = {sp_model.id_to_piece(index): index for index in range(self.tokenizer.n_words)}
+        return self._piece_vocab
+
+    def _base_token_to_id(self, token):
+        return self.tokenizer.sp_model.piece_to_id(token)
+
+    def _base_id_to_token(self, index: int) -> str:
+        return self.tokenizer.sp_model.id_to_piece(index) if 0 <= index < self.tokenizer.n_words else ""
+
+    def _encode_text(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text)
+
+    def _tokenize(self, text: str, **kwargs) -> List[str]:
+        return self.tokenizer.tokenize(text)
+
+    def _decode_run(self, ids: List[int]) -> str:
+        # Each run of pieces between control tokens was encoded on its own, with SentencePiece's leading "▁"; decoding
+        # the run on its own drops that marker again.
+        return self.tokenizer.decode(ids)
+
+    def convert_tokens_to_string(self, tokens: List[str]) -> str:
+        return self._decode(self.convert_tokens_to_ids(list(tokens)))
+
+    # ---- ChatGLM3 chat format ------------------------------------------------------------------------------------
+
+    def build_single_message(self, role: str, metadata: str, message: str) -> List[int]:
+        """`<|role|>` + metadata line + message, each encoded as plain text (API of the original)."""
+        if role not in _CHATGLM3_ROLES:
+            raise ValueError(f"unknown role {role!r}; ChatGLM3 roles are {_CHATGLM3_ROLES}")
+        if not isinstance(message, str) or not isinstance(metadata, str):
+            raise TypeError("ChatGLM3 message content and metadata must be str")
+        return [self.get_command(f"<|{role}|>")] + self._encode_text(f"{metadata}\n") + self._encode_text(message)
+
+    def _message_ids(self, message: dict) -> List[int]:
+        content = message.get("content") or ""
+        if message["role"] == "system" and "tools" in message:
+            content = content + "\n" + json.dumps(message["tools"], indent=4, ensure_ascii=False)
+        return self.build_single_message(message["role"], message.get("metadata") or "", content)
+
+    def build_chat_input(self, query: str, history: Optional[List[dict]] = None, role: str = "user",
+                         return_tensors: Optional[str] = "pt") -> BatchEncoding:
+        """ChatGLM3 prompt for `history` + (`role`, `query`), ending with `<|assistant|>` (API of the original)."""
+        ids = self.get_prefix_tokens()
+        for message in history or []:
+            ids += self._message_ids(message)
+        ids += self.build_single_message(role, "", query) + [self.get_command("<|assistant|>")]
+        return self.pad({"input_ids": [ids]}, return_tensors=return_tensors)
+
+    def _uses_stock_template(self) -> bool:
+        template = self.chat_template
+        return template is None or (
+            isinstance(template, str)
+            and hashlib.sha256(template.encode("utf-8")).hexdigest() == _CHATGLM3_STOCK_TEMPLATE_SHA256
+        )
+
+    def _chat_ids_without_template(self, conversation, add_generation_prompt, chat_template) -> Optional[List[int]]:
+        if chat_template is not None or not self._uses_stock_template():
+            return None
+        ids = self.get_prefix_tokens()
+        for message in conversation:
+            ids += self._message_ids(message)
+        if add_generation_prompt:
+            ids.append(self.get_command("<|assistant|>"))
+        return ids
