@@ -810,9 +810,11 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
         )
 
     def generate(self, inputs=None, **kwargs):
-        """transformers' generate(), with the prompt tensors on the embedding's device first: before 5.x, a prompt
-        left on the CPU warns and keeps every step's growing inputs on the CPU."""
-        device = execution_device(self.transformer.embedding)
+        """transformers' generate(), with its bookkeeping (prompt, mask, the tokens it appends) on the logits' device:
+        new tokens are picked there, and logits processors read the ids beside the scores. Each forward moves the
+        step's inputs to the embedding's device. Without this, a prompt left on the CPU warns and runs slowly before
+        5.x, and a model split over devices fails there unless accelerate's hooks move the logits back."""
+        device = execution_device(self.transformer.output_layer)
         if isinstance(inputs, torch.Tensor):
             inputs = device_boundary(inputs, device)
         for name in ("input_ids", "attention_mask", "position_ids", "inputs_embeds"):

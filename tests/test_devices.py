@@ -1,9 +1,16 @@
-"""Devices: complete device maps, clear errors for bad ones. (Runs across virtual devices: test_devices_virtual.py.)"""
+"""Devices: models split over several devices compute what they compute on one, every boundary explicit; device maps
+are complete or refused. The devices are the suite's virtual ones (tests/virtual_devices.py): they compute on the
+CPU and raise a GPU's "Expected all tensors to be on the same device" error whenever an operation mixes devices."""
 import json
+import re
 
+import device_check
 import pytest
 import torch
-from conftest import shared_path, tiny_config_dict
+from conftest import FAMILIES, REPO, load_causal_lm, shared_path, tiny_config_dict
+from virtual_devices import virtual_devices
+
+CROSS_DEVICE = "Expected all tensors to be on the same device"
 
 
 def meta_model(chatglm, config):
@@ -93,3 +100,76 @@ def test_device_map_that_splits_a_block_is_refused(chatglm):
     device_map["transformer.encoder.layers.1.post_attention_layernorm"] = "cpu"
     with pytest.raises(ValueError, match="splits blocks.*transformer.encoder.layers.1"):
         chatglm.modeling.check_device_map(model, device_map)
+
+
+# --- split over virtual devices vs one device ------------------------------------------------------------------------
+
+
+@pytest.mark.matrix_ends
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("num_devices", [2, 3, 8])
+def test_split_model_equals_single_device(tiny_model, family, num_devices):
+    """One block per device; embedding, rotary table, final norm and output layer on other devices. Forward, loss
+    and gradients, greedy and left-padded batched generation with the cache; each layer's cache stays on its
+    layer's device after prefill and decode; CPU inputs need no move and raise no warning."""
+    model = tiny_model(family, num_layers=num_devices)
+    with virtual_devices(num_devices) as devices:
+        device_map = device_check.spread_device_map(num_devices, devices)
+        report = device_check.run(model, device_map, reference_device=devices[0], new_tokens=6)
+    assert report.logits_max_diff <= 1e-6 and report.loss_diff <= 1e-6
+    assert report.grad_max_diff <= 1e-5
+    assert report.greedy_same and report.batch_greedy_same
+    assert report.cache_on_layer_devices
+    assert not report.cpu_inputs_warned
+
+
+@pytest.mark.matrix_ends
+def test_every_boundary_goes_through_device_boundary(tiny_model, chatglm, monkeypatch):
+    """Without device_boundary the split model fails the way a GPU would: no other code moves its tensors (no
+    accelerate hook, no stray .to()). And the source has no other device move to search for."""
+    model = tiny_model("glm4")
+    ids = torch.randint(3, 256, (1, 6))
+    with virtual_devices(2) as devices:
+        device_check.place(model, device_check.spread_device_map(model.config.num_layers, devices))
+        monkeypatch.setattr(chatglm.modeling, "device_boundary", lambda tensor, device: tensor)
+        with pytest.raises(RuntimeError, match=CROSS_DEVICE):
+            model(input_ids=ids)
+    source = (REPO / "modeling_chatglm.py").read_text()
+    device_moves = [line.strip() for line in source.splitlines() if re.search(r"\.to\((?![^)]*dtype)[^)]*device", line)]
+    assert device_moves == ["return tensor.to(device)", "self.to(device)"], device_moves
+
+
+@pytest.mark.matrix_ends
+def test_from_pretrained_with_device_map_onto_virtual_devices(golden):
+    """The original checkpoint loaded by from_pretrained(device_map=...) over three devices gives the golden logits,
+    with the inputs left on the CPU; model.device is where the inputs go (the embedding's device)."""
+    e = golden.expected
+    with virtual_devices(3) as devices:
+        device_map = device_check.spread_device_map(golden.cases["config"]["num_layers"], devices)
+        model = load_causal_lm(golden.folder, attn_implementation="eager", device_map=device_map)
+        assert model.device == model.transformer.embedding.word_embeddings.weight.device == devices[-1]
+        assert {str(p.device) for p in model.parameters()} == {str(d) for d in devices}
+        with torch.no_grad():
+            out = model(input_ids=e["input_ids"], attention_mask=e["attention_mask"], labels=e["labels"])
+            generated = model.generate(input_ids=e["input_ids"], attention_mask=e["attention_mask"],
+                                       **golden.gen_kwargs)
+        real = e["attention_mask"].bool()
+        torch.testing.assert_close(out.logits.cpu()[real], e["batch_logits"][real], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.loss.cpu(), e["batch_loss"], atol=1e-5, rtol=0)
+        assert generated.sequences[:, e["input_ids"].shape[1]:].cpu().tolist() == e["batch_gen_tokens"].tolist()
+
+
+@pytest.mark.matrix_ends
+def test_sequence_classification_pools_on_the_logits_device(tiny_model, chatglm):
+    lm = tiny_model("chatglm3", num_labels=2)
+    model = chatglm.modeling.ChatGLMForSequenceClassification(lm.config).eval()
+    ids, mask = device_check.padded_batch([4, 7], 256, seed=1)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        with virtual_devices(2) as devices:
+            device_map = device_check.spread_device_map(lm.config.num_layers, devices)
+            device_map["classifier_head"] = str(devices[0])
+            device_check.place(model, device_map)
+            out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1]))
+            assert out.logits.device == devices[0]
+    torch.testing.assert_close(out.logits.cpu(), expected, atol=1e-6, rtol=1e-6)

@@ -75,3 +75,15 @@ def test_demo_runs_offline_through_auto_classes(tmp_path):
     assert "loaded ChatGLMForConditionalGeneration" in result.stdout and "demo: ok" in result.stdout
     generated = next(line for line in result.stdout.splitlines() if line.startswith("generated ids:"))
     assert len(json.loads(generated.split(":", 1)[1])) == 5
+
+
+def test_gpu_check_script_runs_on_a_cpu_only_machine(tmp_path):
+    """CI has no GPU: run the script's whole path with two 'devices' that are the CPU, so it cannot rot."""
+    rows = tmp_path / "rows.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "gpu_check.py"), "--splits", "cpu,cpu", "--dtypes", "float32",
+         "--attn", "sdpa", "--json", str(rows)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    data = json.loads(rows.read_text())
+    assert [r["family"] for r in data] == ["glm4", "chatglm3"] and all(r["ok"] for r in data)

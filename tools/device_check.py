@@ -1,0 +1,113 @@
+"""Does a ChatGLM model split over several devices compute what it computes on one device?
+
+Used twice: by `tools/gpu_check.py` on real devices (cpu + cuda:N) and by the test suite on its virtual devices.
+Modules are placed with plain `module.to(device)` per map entry, without accelerate's hooks, so what is tested is
+the model's own device boundaries.
+"""
+import copy
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+# repetition_penalty: a logits processor that reads the ids beside the scores, so both must share a device.
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)
+
+
+def spread_device_map(num_layers: int, devices) -> dict:
+    """A map with every boundary in play: one block per device in turn, and embedding, rotary table, final norm and
+    output layer each on a different device from its neighbours."""
+    devices = [str(d) for d in devices]
+    n = len(devices)
+    device_map = {f"transformer.encoder.layers.{i}": devices[i % n] for i in range(num_layers)}
+    device_map["transformer.embedding"] = devices[-1]
+    device_map["transformer.rotary_pos_emb"] = devices[1 % n]
+    device_map["transformer.encoder.final_layernorm"] = devices[num_layers % n]
+    device_map["transformer.output_layer"] = devices[(num_layers + 1) % n]
+    return device_map
+
+
+def place(model: torch.nn.Module, device_map: dict) -> torch.nn.Module:
+    for name, device in device_map.items():
+        model.get_submodule(name).to(device)
+    return model
+
+
+def cache_devices(cache) -> list:
+    """The device of each layer's cached keys and values (the Cache layout changed in transformers 4.56)."""
+    if hasattr(cache, "layers"):
+        pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    else:
+        pairs = list(zip(cache.key_cache, cache.value_cache))
+    return [(str(k.device), str(v.device)) for k, v in pairs]
+
+
+def layer_devices(model) -> list:
+    return [str(next(layer.parameters()).device) for layer in model.transformer.encoder.layers]
+
+
+def padded_batch(lengths, vocab, seed):
+    """Left-padded ids and mask for sequences of `lengths` (pad id 0), on the CPU as a tokenizer returns them."""
+    generator = torch.Generator().manual_seed(seed)
+    length = max(lengths)
+    ids = torch.zeros(len(lengths), length, dtype=torch.long)
+    mask = torch.zeros(len(lengths), length, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, length - n:] = torch.randint(3, vocab, (n,), generator=generator)
+        mask[row, length - n:] = 1
+    return ids, mask
+
+
+@dataclass
+class Report:
+    logits_max_diff: float
+    loss_diff: float
+    grad_max_diff: float
+    greedy_same: bool
+    batch_greedy_same: bool
+    cache_on_layer_devices: bool
+    cpu_inputs_warned: bool
+
+    def ok(self, logits_tol: float, grad_tol: float) -> bool:
+        return (self.logits_max_diff <= logits_tol and self.loss_diff <= grad_tol and self.grad_max_diff <= grad_tol
+                and self.greedy_same and self.batch_greedy_same and self.cache_on_layer_devices
+                and not self.cpu_inputs_warned)
+
+
+def run(model, device_map: dict, reference_device, new_tokens: int = 8, seed: int = 0) -> Report:
+    """Compare `model` placed by `device_map` with a copy of it on `reference_device`. Inputs start on the CPU."""
+    single = copy.deepcopy(model).to(reference_device)
+    split = place(copy.deepcopy(model), device_map)
+    vocab = model.config.padded_vocab_size
+    ids, mask = padded_batch([5, 11, 8], vocab, seed)
+    labels = ids.masked_fill(mask == 0, -100)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = {}
+        for name, m in (("single", single), ("split", split)):
+            m.zero_grad()
+            out = m(input_ids=ids, attention_mask=mask, labels=labels)
+            out.loss.backward()
+            outputs[name] = out
+    cpu_inputs_warned = any("device" in str(w.message) for w in caught)
+    logits_diff = (outputs["split"].logits.float().cpu() - outputs["single"].logits.float().cpu())
+    logits_diff = logits_diff[mask.bool()].abs().max().item()
+    loss_diff = abs(outputs["split"].loss.item() - outputs["single"].loss.item())
+    grad_diff = max((p.grad.float().cpu() - q.grad.float().cpu()).abs().max().item()
+                    for p, q in zip(split.parameters(), single.parameters()))
+
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prompt = ids[1:2, -11:]
+        greedy = [m.generate(prompt, max_new_tokens=new_tokens, **GREEDY).cpu() for m in (single, split)]
+        batch = [m.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **GREEDY).cpu()
+                 for m in (single, split)]
+        prefill = split(input_ids=ids, attention_mask=mask, use_cache=True)
+        placement_ok = cache_devices(prefill.past_key_values) == [(d, d) for d in layer_devices(split)]
+        step = split(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1),
+                     past_key_values=prefill.past_key_values, use_cache=True)
+        placement_ok &= cache_devices(step.past_key_values) == [(d, d) for d in layer_devices(split)]
+    cpu_inputs_warned |= any("device" in str(w.message) for w in caught)
+    return Report(logits_diff, loss_diff, grad_diff, torch.equal(*greedy), torch.equal(*batch), placement_ok,
+                  cpu_inputs_warned)
