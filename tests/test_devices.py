@@ -173,3 +173,14 @@ def test_sequence_classification_pools_on_the_logits_device(tiny_model, chatglm)
             out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1]))
             assert out.logits.device == devices[0]
     torch.testing.assert_close(out.logits.cpu(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_balanced_device_map_is_reachable_as_the_readme_shows(golden):
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    config = AutoConfig.from_pretrained(golden.folder, trust_remote_code=True)
+    balanced_device_map = get_class_from_dynamic_module("modeling_chatglm.balanced_device_map", golden.folder)
+    device_map = balanced_device_map(config, ["cpu"])
+    model = load_causal_lm(golden.folder, device_map=device_map)
+    assert {str(p.device) for p in model.parameters()} == {"cpu"}

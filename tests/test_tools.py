@@ -73,8 +73,13 @@ def test_demo_runs_offline_through_auto_classes(tmp_path):
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "loaded ChatGLMForConditionalGeneration" in result.stdout and "demo: ok" in result.stdout
-    generated = next(line for line in result.stdout.splitlines() if line.startswith("generated ids:"))
+    lines = result.stdout.splitlines()
+    generated = next(line for line in lines if line.startswith("generated ids:"))
     assert len(json.loads(generated.split(":", 1)[1])) == 5
+    # The shared data holds GLM-4's tokenizer.model: chat template -> ids -> generate -> decode, end to end.
+    prompt = json.loads(next(line for line in lines if line.startswith("prompt ids:")).split(":", 1)[1])
+    assert prompt[:3] == [151331, 151333, 151336] and prompt[-1] == 151337  # [gMASK]<sop><|user|> ... <|assistant|>
+    assert any(line.startswith("generated text:") for line in lines)
 
 
 def test_gpu_check_script_runs_on_a_cpu_only_machine(tmp_path):
