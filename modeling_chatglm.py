@@ -728,6 +728,12 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
 # ======================================================================================================================
 
 
+def as_tuple(loss, logits, outputs) -> tuple:
+    """The return_dict=False outputs of a head: loss, logits, cache, hidden states, attentions, leaving out None."""
+    values = (loss, logits, outputs.past_key_values, outputs.hidden_states, outputs.attentions)
+    return tuple(v for v in values if v is not None)
+
+
 def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor:
     """position_ids given to generate() cover the prompt (the GLM tokenizers return them); the tokens generated
     after it continue from the last prompt position. transformers before 5.x does not extend them itself."""
@@ -797,10 +803,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
                 num_items_in_batch=num_items_in_batch,
             )
         if not return_dict:
-            output = (logits,) + tuple(
-                v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions) if v is not None
-            )
-            return ((loss,) + output) if loss is not None else output
+            return as_tuple(loss, logits, outputs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -907,10 +910,7 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
         if labels is not None:
             loss = self.classification_loss(logits.float(), device_boundary(labels, logits.device))
         if not return_dict:
-            output = (logits,) + tuple(
-                v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions) if v is not None
-            )
-            return ((loss,) + output) if loss is not None else output
+            return as_tuple(loss, logits, outputs)
         return SequenceClassifierOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,

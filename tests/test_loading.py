@@ -160,3 +160,12 @@ def test_first_generation_chatglm_6b_config_is_refused(chatglm):
                      position_encoding_2d=True, gmask_token_id=130001, vocab_size=130528, max_sequence_length=2048)
     with pytest.raises(ValueError, match="first-generation ChatGLM-6B"):
         chatglm.ChatGLMConfig(**v1_fields)
+
+
+def test_return_dict_false_gives_the_same_values_as_a_tuple(golden, golden_model):
+    ids, labels = golden.expected["seq_0_input_ids"][None], golden.expected["seq_0_labels"][None]
+    with torch.no_grad():
+        as_dict = golden_model(input_ids=ids, labels=labels, use_cache=True)
+        loss, logits, cache = golden_model(input_ids=ids, labels=labels, use_cache=True, return_dict=False)
+    assert torch.equal(loss, as_dict.loss) and torch.equal(logits, as_dict.logits)
+    assert cache.get_seq_length() == ids.shape[1]
