@@ -151,3 +151,19 @@ def test_config_flags_match_reference(tiny_model, family, flags, attn):
         ours = model(input_ids=ids, use_cache=False).logits
     expected = reference_logits(model.state_dict(), model.config, ids)
     assert relative_max_error(ours, expected) < 1e-5
+
+
+def test_fp32_residual_connection_keeps_the_residual_stream_fp32_in_bf16(tiny_model):
+    """In half precision the flag matters (the original crashed with it): the stream between blocks stays fp32,
+    each sublayer computes in bf16, and the logits land closer to the fp32 model's than without the flag."""
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        reference = tiny_model("glm4")(input_ids=ids).logits
+        errors = {}
+        for flag in (False, True):
+            model = tiny_model("glm4", fp32_residual_connection=flag).to(torch.bfloat16)
+            out = model(input_ids=ids, output_hidden_states=True)
+            assert out.logits.dtype == torch.bfloat16
+            assert {h.dtype for h in out.hidden_states[1:-1]} == {torch.float32 if flag else torch.bfloat16}
+            errors[flag] = (out.logits.float() - reference).abs().mean().item()
+    assert errors[True] < errors[False]
