@@ -12,7 +12,6 @@ DEFAULT_TRANSFORMERS="5.23.0"
 
 if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
-  "$PY" -m pip install -q --upgrade pip
 fi
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
