@@ -557,7 +557,15 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """transformers' from_pretrained, with an explicit device_map checked before any weight is read."""
+        """transformers' from_pretrained, with an explicit device_map checked before any weight is read. With
+        tp_plan="auto" (under torchrun), tp_size, device_mesh or distributed_config, the model is sharded by its own
+        tensor-parallel plan instead, on every supported transformers release (parallel_chatglm.py)."""
+        if any(kwargs.get(name) is not None for name in ("tp_plan", "tp_size", "device_mesh", "distributed_config")):
+            from .parallel_chatglm import from_pretrained_tensor_parallel
+
+            return from_pretrained_tensor_parallel(
+                super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
+            )
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict):
             config = kwargs.get("config")
@@ -569,6 +577,13 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             with torch.device("meta"):
                 check_device_map(cls(config), device_map)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def tensor_parallel(self, mesh_or_size=None):
+        """Shard this model in place over a 1-D DeviceMesh, or over `mesh_or_size` ranks of torch.distributed (all of
+        them by default); every rank calls it. See parallel_chatglm.py."""
+        from .parallel_chatglm import tensor_parallel
+
+        return tensor_parallel(self, mesh_or_size)
 
     def _init_weights(self, module):
         """Random weights for models built from a config (the original left them uninitialised)."""

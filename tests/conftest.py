@@ -19,7 +19,8 @@ import pytest  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR", REPO.parent / "shared")).resolve()
 # The files a user copies over a downloaded checkpoint.
-CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py")
+CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py",
+              "parallel_chatglm.py")
 
 
 def pytest_sessionfinish(session, exitstatus):
