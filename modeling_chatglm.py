@@ -57,6 +57,9 @@ try:  # 5.0: init functions that skip tensors already loaded from a checkpoint
 except ImportError:
     weight_init = nn.init
 
+# 4.46 to 4.52 do not register a remote-code model class for its auto class when they load it, so save_pretrained
+# wrote no code files beside the weights: the heads name theirs (`_auto_class`), as other versions set it.
+
 # 4.56 added DynamicCache(config=...), and 5.0 builds its layers from the config.
 _DYNAMIC_CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
 # 4.44 and 4.45 have no generic GenerationMixin.prepare_inputs_for_generation (the 4.44 one only raises).
@@ -759,6 +762,7 @@ def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor
 
 class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
     loss_type = "ForCausalLM"
+    _auto_class = "AutoModelForCausalLM"  # see the compatibility layer
 
     def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
         super().__init__(config)
@@ -877,6 +881,7 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
 
 
 class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
+    _auto_class = "AutoModelForSequenceClassification"  # see the compatibility layer
     def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
         super().__init__(config)
         self.num_labels = config.num_labels
