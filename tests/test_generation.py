@@ -84,3 +84,29 @@ def test_each_layer_cache_lives_on_its_layer_and_grows(tiny_model):
         out = model(input_ids=ids, use_cache=True)
         out = model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
     assert out.past_key_values.get_seq_length() == 7
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_search_with_and_without_cache_is_identical(tiny_model, family):
+    """Beam search reorders the cache between steps."""
+    model = tiny_model(family)
+    ids = random_ids(2, 7, seed=10)
+    kwargs = dict(num_beams=3, do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        cached = model.generate(ids, use_cache=True, **kwargs)
+        uncached = model.generate(ids, use_cache=False, **kwargs)
+    assert cached.tolist() == uncached.tolist()
+
+
+def test_output_attentions_and_hidden_states(tiny_model):
+    model = tiny_model("glm4", attn_implementation="eager")
+    ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12]])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+    config = model.config
+    assert len(out.attentions) == config.num_layers and len(out.hidden_states) == config.num_layers + 1
+    probs = out.attentions[0]
+    assert probs.shape == (2, config.num_attention_heads, 5, 5)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, config.num_attention_heads, 5))
+    assert probs[0, :, 2:, :2].abs().max() == 0  # real tokens never attend to the padding
+    assert torch.equal(out.hidden_states[-1], model.transformer(input_ids=ids, attention_mask=mask).last_hidden_state)
