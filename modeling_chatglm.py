@@ -882,6 +882,7 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
 
 class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
     _auto_class = "AutoModelForSequenceClassification"  # see the compatibility layer
+
     def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
         super().__init__(config)
         self.num_labels = config.num_labels

@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py", "parallel_chatglm.py")
+sys.path.insert(0, str(REPO / "tools"))
+from install_into_checkpoint import CODE_FILES  # noqa: E402  (the files a user copies)
+
 # Shrinks glm-4-9b-chat; the vocabulary stays whole so that real tokenizer ids fit.
 DEMO_SIZES = dict(num_layers=2, num_hidden_layers=2, hidden_size=128, ffn_hidden_size=256, kv_channels=32,
                   num_attention_heads=4, multi_query_group_num=2, seq_length=4096, torch_dtype="float32")

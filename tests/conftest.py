@@ -5,6 +5,7 @@ The environment is fixed here, before anything imports transformers: remote code
 """
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -18,9 +19,10 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR", REPO.parent / "shared")).resolve()
-# The files a user copies over a downloaded checkpoint.
-CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py",
-              "parallel_chatglm.py")
+# tools/ holds what the tests share with the user tools: the list of code files a user copies, and the device
+# checks of tools/gpu_check.py (tools/device_check.py).
+sys.path.insert(0, str(REPO / "tools"))
+from install_into_checkpoint import CODE_FILES  # noqa: E402
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -55,7 +57,6 @@ def shared_dir() -> Path:
 # ---------------------------------------------------------------------------------------------------------------------
 import importlib  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
@@ -203,8 +204,5 @@ def save_checkpoint(model, folder: Path) -> Path:
     """save_pretrained plus our code files: a folder a user can load with trust_remote_code."""
     model.save_pretrained(folder)
     return copy_code_into(folder)
-
-# tools/ holds the checks the GPU script shares with the tests (tools/device_check.py).
-sys.path.insert(0, str(REPO / "tools"))
 
 from tokenizer_fixtures import *  # noqa: E402,F401,F403  (tokenizer fixtures, shared by several test modules)

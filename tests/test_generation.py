@@ -2,6 +2,7 @@
 import pytest
 import torch
 from conftest import FAMILIES
+from device_check import left_pad
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -19,16 +20,6 @@ def test_greedy_generation_with_and_without_cache_is_identical(tiny_model, famil
         cached = model.generate(ids, max_new_tokens=20, use_cache=True, **GREEDY)
         uncached = model.generate(ids, max_new_tokens=20, use_cache=False, **GREEDY)
     assert cached.tolist() == uncached.tolist()
-
-
-def left_pad(sequences, pad_id=0):
-    length = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), length), pad_id)
-    mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, length - len(seq):] = torch.tensor(seq)
-        mask[row, length - len(seq):] = 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -46,16 +46,21 @@ def layer_devices(model) -> list:
     return [str(next(layer.parameters()).device) for layer in model.transformer.encoder.layers]
 
 
-def padded_batch(lengths, vocab, seed):
-    """Left-padded ids and mask for sequences of `lengths` (pad id 0), on the CPU as a tokenizer returns them."""
-    generator = torch.Generator().manual_seed(seed)
-    length = max(lengths)
-    ids = torch.zeros(len(lengths), length, dtype=torch.long)
-    mask = torch.zeros(len(lengths), length, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, length - n:] = torch.randint(3, vocab, (n,), generator=generator)
-        mask[row, length - n:] = 1
+def left_pad(sequences, pad_id=0):
+    """Left-padded ids and attention mask for token lists, on the CPU as a tokenizer returns them."""
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, length - len(seq):] = torch.as_tensor(seq)
+        mask[row, length - len(seq):] = 1
     return ids, mask
+
+
+def padded_batch(lengths, vocab, seed):
+    """Random sequences of `lengths` (ids in [3, vocab)), left-padded with id 0."""
+    generator = torch.Generator().manual_seed(seed)
+    return left_pad([torch.randint(3, vocab, (n,), generator=generator) for n in lengths])
 
 
 @dataclass
