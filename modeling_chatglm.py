@@ -9,8 +9,12 @@ Every place where a tensor moves to another device goes through `device_boundary
 them all. No boundary relies on accelerate's hooks moving a tensor.
 """
 
+import importlib
 import inspect
+import re
+import shutil
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Optional, Tuple, Union
 
 import torch
@@ -120,6 +124,89 @@ def sdpa_attention_forward_before_4_48(module, query, key, value, attention_mask
     return out.transpose(1, 2).contiguous(), None
 
 
+# Files a user copies one at a time. modeling_chatglm.py may be copied alone over an original checkpoint folder that
+# keeps the original configuration_chatglm.py (every transformers release reads it), so this file reads only the fields
+# the original configuration classes define, and completes what transformers' Cache classes read.
+
+
+def complete_original_config(config):
+    """Fill in what the original configuration classes lack and transformers reads: `num_key_value_heads` and
+    `head_dim` (StaticCache), ChatGLM3's `num_hidden_layers` (the Cache classes from 4.56 on), and GLM-4's
+    `use_cache` (PretrainedConfig stopped defining it in 5.0). Ours defines them all."""
+    derived = {"num_hidden_layers": config.num_layers, "num_key_value_heads": num_key_value_heads(config),
+               "head_dim": config.kv_channels, "use_cache": True}
+    for name, value in derived.items():
+        if not hasattr(config, name):
+            setattr(config, name, value)
+
+
+def num_key_value_heads(config) -> int:
+    """Heads of keys and values: the multi-query groups, or every head without multi-query attention."""
+    return config.multi_query_group_num if config.multi_query_attention else config.num_attention_heads
+
+
+def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
+    """Where this code came from, as transformers resolved it: the repository an `auto_map` entry names
+    ("org/repo--modeling_chatglm.X"), else the checkpoint itself (`checkpoint` when from_pretrained has not yet
+    recorded it in the config); and the commit of a Hub download."""
+    source = None
+    for reference in (getattr(config, "auto_map", None) or {}).values():
+        reference = reference[0] if isinstance(reference, (list, tuple)) else reference
+        if isinstance(reference, str) and "--" in reference:
+            source = reference.split("--")[0]
+            break
+    source = source or checkpoint or getattr(config, "_name_or_path", None) or None
+    commit = (__package__ or "").rsplit(".", 1)[-1]
+    return source, commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
+# Files of this repository used only by an optional capability (tensor parallelism), loaded on demand.
+COMPANION_FILES = ("parallel_chatglm",)
+
+
+def find_companion(name: str, config=None, checkpoint=None) -> Optional[Path]:
+    """`name`.py beside this module, else where this code came from (the checkpoint folder, or the Hub repository at
+    the same commit): transformers copies into its modules cache only the files it finds imported."""
+    beside = Path(__file__).with_name(f"{name}.py")
+    if beside.exists():
+        return beside
+    source, revision = code_source(config, checkpoint) if config is not None else (checkpoint, None)
+    if not source:
+        return None
+    from transformers.utils import cached_file
+
+    try:
+        found = cached_file(source, f"{name}.py", revision=revision, _raise_exceptions_for_missing_entries=False)
+    except (OSError, ValueError):
+        return None
+    return Path(found) if found else None
+
+
+def import_companion(name: str, config=None, checkpoint=None):
+    """Import a companion file (see COMPANION_FILES).
+
+    Not written as a relative import: transformers requires every file that a remote-code module imports relatively
+    to sit beside it, even an import inside a function, which would break this file copied alone over an original
+    checkpoint. A companion that cannot be found raises an error that says which file to copy."""
+    module_name = f"{__package__}.{name}" if __package__ else name
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+    found = find_companion(name, config, checkpoint) if __package__ else None
+    if found is None:
+        source = code_source(config, checkpoint)[0] if config is not None else checkpoint
+        raise ImportError(
+            f"This needs {name}.py beside modeling_chatglm.py{f' (looked in {source})' if source else ''}: copy it "
+            "from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
+            "modeling_chatglm.py, or install all its files with tools/install_into_checkpoint.py."
+        )
+    shutil.copyfile(found, Path(__file__).with_name(found.name))
+    importlib.invalidate_caches()
+    return importlib.import_module(module_name)
+
+
 def is_compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
@@ -141,7 +228,7 @@ class AttentionSizes:
 
     @classmethod
     def from_config(cls, config: ChatGLMConfig) -> "AttentionSizes":
-        return cls(config.num_attention_heads, config.num_key_value_heads, config.kv_channels,
+        return cls(config.num_attention_heads, num_key_value_heads(config), config.kv_channels,
                    bool(config.multi_query_attention))
 
     @property
@@ -157,15 +244,34 @@ class AttentionSizes:
         return replace(self, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
+# Fields every ChatGLM2/3 and GLM-4 configuration class defines; the others this file reads have defaults.
+REQUIRED_CONFIG_FIELDS = (
+    "num_layers", "padded_vocab_size", "hidden_size", "ffn_hidden_size", "kv_channels", "num_attention_heads",
+    "hidden_dropout", "attention_dropout", "layernorm_epsilon", "rmsnorm", "apply_residual_connection_post_layernorm",
+    "post_layer_norm", "add_bias_linear", "add_qkv_bias", "multi_query_attention", "multi_query_group_num",
+    "apply_query_key_layer_scaling", "attention_softmax_in_fp32", "fp32_residual_connection",
+)
+
+
 def check_supported(config: ChatGLMConfig):
-    config.validate_chatglm()
-    if config.quantization_bit:
+    missing = [name for name in REQUIRED_CONFIG_FIELDS if not hasattr(config, name)]
+    if missing:
+        raise ValueError(
+            f"The config lacks {', '.join(missing)}, which this modeling_chatglm.py reads: its configuration class "
+            f"({type(config).__module__}) is not a ChatGLM2/3 or GLM-4 one, or is older than this file. Copy this "
+            "repository's configuration_chatglm.py into the checkpoint folder too."
+        )
+    validate = getattr(config, "validate_chatglm", None)  # our configuration class; the originals validate nothing
+    if validate is not None:
+        validate()
+    complete_original_config(config)
+    if getattr(config, "quantization_bit", 0):
         raise ValueError(
             f"config.quantization_bit={config.quantization_bit}: the original's cpm_kernels quantization is not part "
             "of this fork. Set quantization_bit to 0 and quantize at load time instead, for example "
             "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))."
         )
-    if config.pre_seq_len:
+    if getattr(config, "pre_seq_len", None):
         raise ValueError(
             f"config.pre_seq_len={config.pre_seq_len}: P-tuning v2 prefixes (prefix_encoder) are not supported by this "
             "fork. Set pre_seq_len to null, or fine-tune with PEFT (prefix tuning or LoRA) instead."
@@ -177,16 +283,18 @@ def check_supported(config: ChatGLMConfig):
 # ======================================================================================================================
 
 
-def device_boundary(tensor: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    """Every crossing of a tensor to another device in this file goes through here."""
-    if tensor is None or tensor.device == device:
+def device_boundary(tensor: Optional[torch.Tensor], device: Optional[torch.device]) -> Optional[torch.Tensor]:
+    """Every crossing of a tensor to another device in this file goes through here (None: stay)."""
+    if tensor is None or device is None or tensor.device == device:
         return tensor
     return tensor.to(device)
 
 
-def execution_device(module: nn.Module) -> torch.device:
+def execution_device(module: nn.Module) -> Optional[torch.device]:
     """Where `module` computes: the device of its weights, or accelerate's execution device when its weights are
-    offloaded (then they live on `meta` between calls)."""
+    offloaded (then they live on `meta` between calls). None for a module that holds no tensor of its own (a layer
+    replaced by torch.ao's dynamic quantization keeps packed weights only): it computes where its input is, and
+    `device_boundary(x, None)` leaves x where it is."""
     hook = getattr(module, "_hf_hook", None)
     if getattr(hook, "execution_device", None) is not None:
         return torch.device(hook.execution_device)
@@ -194,7 +302,7 @@ def execution_device(module: nn.Module) -> torch.device:
         return tensor.device
     for tensor in module.buffers():
         return tensor.device
-    raise ValueError(f"{type(module).__name__} has no parameters or buffers to place it on a device")
+    return None
 
 
 def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
@@ -285,7 +393,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
         self.rotary_channels = config.kv_channels // 2
-        self.base = 10000.0 * config.rope_ratio
+        self.base = 10000.0 * getattr(config, "rope_ratio", 1)  # chatglm3-6b's original config has no rope_ratio
         # Checkpoints store `inv_freq` (always with base 10000); the original never reads its values and neither do
         # we: it keeps the state-dict key and marks the device the rotary table is computed on.
         self.register_buffer("inv_freq", self.checkpoint_inv_freq(), persistent=True)
@@ -489,7 +597,7 @@ class GLMBlock(nn.Module):
         """With fp32_residual_connection the residual stream stays fp32 and each norm feeds its sublayer in the
         sublayer's dtype."""
         out = norm(hidden_states)
-        return out.to(self.mlp.dense_4h_to_h.weight.dtype) if self.fp32_residual else out
+        return out.to(norm.weight.dtype) if self.fp32_residual else out
 
     def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None):
         normed = self.norm(self.input_layernorm, hidden_states)
@@ -564,29 +672,44 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         tp_plan="auto" (under torchrun), tp_size, device_mesh or distributed_config, the model is sharded by its own
         tensor-parallel plan instead, on every supported transformers release (parallel_chatglm.py)."""
         if any(kwargs.get(name) is not None for name in ("tp_plan", "tp_size", "device_mesh", "distributed_config")):
-            from .parallel_chatglm import from_pretrained_tensor_parallel
-
-            return from_pretrained_tensor_parallel(
+            config = cls._config_for(pretrained_model_name_or_path, kwargs)
+            parallel = import_companion("parallel_chatglm", config, checkpoint=str(pretrained_model_name_or_path))
+            return parallel.from_pretrained_tensor_parallel(
                 super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
             )
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict):
-            config = kwargs.get("config")
-            if not isinstance(config, ChatGLMConfig):
-                config = ChatGLMConfig.from_pretrained(
-                    pretrained_model_name_or_path,
-                    **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs},
-                )
             with torch.device("meta"):
-                check_device_map(cls(config), device_map)
+                check_device_map(cls(cls._config_for(pretrained_model_name_or_path, kwargs)), device_map)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
+    def _config_for(cls, pretrained_model_name_or_path, kwargs) -> ChatGLMConfig:
+        """The config from_pretrained will use: the one passed, else the checkpoint's, read with this class's config
+        class (ours, or the original one beside a copied modeling_chatglm.py)."""
+        config = kwargs.get("config")
+        if isinstance(config, cls.config_class):
+            return config
+        return cls.config_class.from_pretrained(
+            pretrained_model_name_or_path,
+            **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs},
+        )
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, which writes the code files it saw imported; the companion files are
+        written beside them, so that the saved folder keeps every capability."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if self._auto_class is None or not kwargs.get("is_main_process", True):
+            return
+        for name in COMPANION_FILES:
+            found, target = find_companion(name, self.config), Path(save_directory) / f"{name}.py"
+            if found is not None and not (target.exists() and target.samefile(found)):
+                shutil.copyfile(found, target)
 
     def tensor_parallel(self, mesh_or_size=None):
         """Shard this model in place over a 1-D DeviceMesh, or over `mesh_or_size` ranks of torch.distributed (all of
         them by default); every rank calls it. See parallel_chatglm.py."""
-        from .parallel_chatglm import tensor_parallel
-
-        return tensor_parallel(self, mesh_or_size)
+        return import_companion("parallel_chatglm", self.config).tensor_parallel(self, mesh_or_size)
 
     def _init_weights(self, module):
         """Random weights for models built from a config (the original left them uninitialised)."""
@@ -672,18 +795,19 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             use_cache = False  # checkpointed layers run twice; a cache would be filled twice
 
         # Inputs to the embedding's device.
-        embedding_device = execution_device(self.embedding)
+        embedding_device = execution_device(self.embedding) or next(
+            t.device for t in (input_ids, inputs_embeds) if t is not None)
         input_ids = device_boundary(input_ids, embedding_device)
         inputs_embeds = device_boundary(inputs_embeds, embedding_device)
         attention_mask = device_boundary(attention_mask, embedding_device)
 
+        # A cache given with use_cache=False is still read (as the original and transformers' models do); only a
+        # cache this call would create is skipped, and no cache is returned.
         legacy_cache = isinstance(past_key_values, (tuple, list))
-        if not use_cache:
-            past_key_values = None
-        elif past_key_values is None:
-            past_key_values = new_dynamic_cache(self.config)
-        elif legacy_cache:
+        if legacy_cache:
             past_key_values = cache_from_legacy(past_key_values)
+        elif past_key_values is None and use_cache:
+            past_key_values = new_dynamic_cache(self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
 
         if inputs_embeds is None:
@@ -718,7 +842,9 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         )
         if self.config.fp32_residual_connection:
             hidden_states = hidden_states.to(self.compute_dtype)
-        if legacy_cache and past_key_values is not None:
+        if not use_cache:
+            past_key_values = None
+        elif legacy_cache:
             past_key_values = past_key_values.to_legacy_cache()
         if not return_dict:
             return tuple(v for v in (hidden_states, past_key_values, all_hidden_states, all_attentions) if v is not None)
@@ -731,7 +857,9 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.encoder.layers[0].mlp.dense_4h_to_h.weight.dtype
+        """The dtype of the hidden states: the embedding's. Not read from a Linear layer, which a quantizer
+        (torch.ao, torchao, quanto, bitsandbytes) may have replaced by one without a float `weight`."""
+        return self.embedding.word_embeddings.weight.dtype
 
     @staticmethod
     def default_position_ids(attention_mask, query_positions, query_length):
@@ -888,7 +1016,8 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
         self.num_labels = config.num_labels
         self.transformer = ChatGLMModel(config, empty_init=empty_init, device=device)
         self.classifier_head = nn.Linear(config.hidden_size, config.num_labels, bias=True)
-        self.dropout = nn.Dropout(config.classifier_dropout) if config.classifier_dropout is not None else None
+        dropout = getattr(config, "classifier_dropout", None)  # not in ChatGLM2's configuration class
+        self.dropout = nn.Dropout(dropout) if dropout is not None else None
         self.post_init()
 
     def forward(
@@ -915,7 +1044,7 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
         )
         # Pooling on the device of the logits (the classifier's); labels follow.
-        head_device = execution_device(self.classifier_head)
+        head_device = execution_device(self.classifier_head) or outputs.last_hidden_state.device
         hidden_states = device_boundary(outputs.last_hidden_state, head_device)
         if attention_mask is not None:
             mask = device_boundary(attention_mask, head_device).long()

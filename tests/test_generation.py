@@ -101,3 +101,16 @@ def test_output_attentions_and_hidden_states(tiny_model):
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, config.num_attention_heads, 5))
     assert probs[0, :, 2:, :2].abs().max() == 0  # real tokens never attend to the padding
     assert torch.equal(out.hidden_states[-1], model.transformer(input_ids=ids, attention_mask=mask).last_hidden_state)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cache_given_with_use_cache_false_is_used_and_none_returned(tiny_model, family):
+    """As the original, GlmForCausalLM and LlamaForCausalLM do: the cached step equals the full forward."""
+    model = tiny_model(family)
+    ids = random_ids(1, 12, seed=8)
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits[0, -1]
+        past = model(input_ids=ids[:, :-1], use_cache=True).past_key_values
+        step = model(input_ids=ids[:, -1:], past_key_values=past, use_cache=False)
+    assert step.past_key_values is None
+    torch.testing.assert_close(step.logits[0, -1], full, atol=1e-5, rtol=1e-5)

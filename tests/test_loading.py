@@ -1,7 +1,9 @@
 """Loading: drop-in checkpoints, every real config, config validation, bad input, no import side effects."""
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +173,70 @@ def test_return_dict_false_gives_the_same_values_as_a_tuple(golden, golden_model
         loss, logits, cache = golden_model(input_ids=ids, labels=labels, use_cache=True, return_dict=False)
     assert torch.equal(loss, as_dict.loss) and torch.equal(logits, as_dict.logits)
     assert cache.get_seq_length() == ids.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# modeling_chatglm.py copied alone over an original checkpoint folder (the fix the upstream issue threads give)
+# ---------------------------------------------------------------------------------------------------------------------
+from original_code import original_configuration_source  # noqa: E402
+
+
+def original_folder_with_our_modeling(golden, tmp_path, configuration_source=None):
+    """The golden checkpoint as a user has it (the original configuration_chatglm.py), with only our
+    modeling_chatglm.py copied in."""
+    folder = tmp_path / f"one_file_{golden.family}"
+    folder.mkdir()
+    for path in golden.folder.iterdir():
+        if path.suffix != ".py":
+            shutil.copy(path, folder / path.name)
+    source = configuration_source or original_configuration_source(golden.family)
+    (folder / "configuration_chatglm.py").write_text(source)
+    shutil.copy(REPO / "modeling_chatglm.py", folder / "modeling_chatglm.py")
+    return folder
+
+
+def test_modeling_file_copied_alone_gives_the_golden_numbers(golden, tmp_path):
+    folder = original_folder_with_our_modeling(golden, tmp_path)
+    model = load_causal_lm(folder, attn_implementation="eager")
+    assert type(model.config).__name__ == "ChatGLMConfig" and not hasattr(type(model.config), "validate_chatglm")
+    expected = golden.expected
+    with torch.no_grad():
+        batch = model(input_ids=expected["input_ids"], attention_mask=expected["attention_mask"],
+                      position_ids=expected["position_ids"], labels=expected["labels"])
+        real = expected["attention_mask"].bool()
+        torch.testing.assert_close(batch.logits[real], expected["batch_logits"][real], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(batch.loss, expected["batch_loss"], atol=1e-5, rtol=1e-5)
+        ids = expected["seq_0_input_ids"][None]
+        generated = model.generate(input_ids=ids, **{**golden.gen_kwargs, "return_dict_in_generate": False,
+                                                     "output_logits": False})
+        assert generated[0, ids.shape[1]:].tolist() == expected["seq_0_gen_tokens"].tolist()
+        static = model.generate(input_ids=ids, cache_implementation="static",
+                                **{**golden.gen_kwargs, "return_dict_in_generate": False, "output_logits": False})
+        assert static.tolist() == generated.tolist()
+
+
+def test_modeling_file_copied_alone_names_the_file_tensor_parallelism_needs(golden, tmp_path):
+    folder = original_folder_with_our_modeling(golden, tmp_path)
+    with pytest.raises(ImportError, match=r"parallel_chatglm\.py beside modeling_chatglm\.py"):
+        load_causal_lm(folder, tp_plan="auto")
+
+
+def test_companion_file_in_the_folder_is_found_and_saved_with_the_model(golden, golden_model, tmp_path):
+    """transformers copies only the files it sees imported; the tensor-parallel file comes from the checkpoint folder
+    the code was loaded from, and save_pretrained writes it beside the other code files."""
+    module = sys.modules[type(golden_model).__module__]
+    parallel = module.import_companion("parallel_chatglm", golden_model.config)
+    assert (REPO / "parallel_chatglm.py").read_text() == Path(parallel.__file__).read_text()
+    golden_model.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "parallel_chatglm.py").read_bytes() == (REPO / "parallel_chatglm.py").read_bytes()
+
+
+def test_configuration_class_lacking_a_field_names_the_file_to_copy(golden, tmp_path):
+    older = original_configuration_source(golden.family).replace("        add_qkv_bias=False,\n", "").replace(
+        "        self.add_qkv_bias = add_qkv_bias\n", "")
+    folder = original_folder_with_our_modeling(golden, tmp_path, older)
+    config = json.loads((folder / "config.json").read_text())
+    del config["add_qkv_bias"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"add_qkv_bias.*configuration_chatglm\.py"):
+        load_causal_lm(folder)
