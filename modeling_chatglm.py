@@ -9,8 +9,11 @@ Every place where a tensor moves to another device goes through `device_boundary
 them all. No boundary relies on accelerate's hooks moving a tensor.
 """
 
+import ast
+import copy
 import importlib
 import inspect
+import json
 import re
 import shutil
 from dataclasses import dataclass, replace
@@ -23,7 +26,16 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
+from transformers.generation import (
+    GenerationMixin,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -870,6 +882,292 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
 
 
 # ======================================================================================================================
+# Chat helpers: ChatGLM3's chat API (chat, stream_chat, stream_generate, process_response) and quantize()
+# ======================================================================================================================
+
+CHAT_ROLES = ("system", "user", "assistant", "observation")
+
+
+class InvalidScoreLogitsProcessor(LogitsProcessor):
+    """The originals' guard in chat(): scores that hold NaN or +inf (an fp16 overflow) become a valid distribution
+    instead of failing in sampling. Masked (-inf) scores are valid and left alone."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if torch.isnan(scores).any() or torch.isposinf(scores).any():
+            scores.zero_()
+            scores[..., 5] = 5e4
+        return scores
+
+
+def checked_history(history) -> list:
+    """A copy of a chat history: a list of {"role", "content"[, "metadata", "tools"]} dicts (ChatGLM3's format)."""
+    if history is None:
+        return []
+    if not isinstance(history, (list, tuple)):
+        raise ValueError(f"history must be a list of messages, got {type(history).__name__}.")
+    for index, message in enumerate(history):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(
+                f"history[{index}] must be a dict with 'role' and 'content' (ChatGLM3's format, as chat() returns "
+                f"it), got {message!r}. ChatGLM2's (query, response) pairs are not this model's chat format."
+            )
+        if message["role"] not in CHAT_ROLES:
+            raise ValueError(f"history[{index}] has role {message['role']!r}; the roles are {', '.join(CHAT_ROLES)}.")
+    return [dict(message) for message in history]
+
+
+def chat_stop_ids(tokenizer) -> list:
+    """Generation stops at the end of text and where the model hands the turn back: `<|user|>`, `<|observation|>`."""
+    return [tokenizer.eos_token_id, tokenizer.get_command("<|user|>"), tokenizer.get_command("<|observation|>")]
+
+
+def chat_inputs(tokenizer, query: str, history: list, role: str, continuing: bool = False):
+    """Model inputs for `history` + (`role`, `query`), ending where the assistant answers: ChatGLM3's
+    `build_chat_input`, or the chat template of GLM-4 tokenizers. `continuing` (a cache holds the history): only the
+    new turn, without the `[gMASK]<sop>` prefix the cache already starts with."""
+    if role not in CHAT_ROLES:
+        raise ValueError(f"role={role!r} is not a chat role; the roles are {', '.join(CHAT_ROLES)}.")
+    if not isinstance(query, str):
+        raise ValueError(f"query must be a str, got {type(query).__name__}.")
+    if hasattr(tokenizer, "build_chat_input"):
+        inputs = tokenizer.build_chat_input(query, history=[] if continuing else history, role=role)
+    else:
+        messages = ([] if continuing else history) + [{"role": role, "content": query}]
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_tensors="pt", return_dict=True)
+    if continuing:
+        prefix = len(tokenizer.get_prefix_tokens())
+        inputs = {name: value[:, prefix:] for name, value in inputs.items()}
+    return dict(inputs)
+
+
+def parse_tool_call(content: str) -> Optional[dict]:
+    """The arguments of a tool call, read without evaluating model output (the original ran `eval` on it):
+    ChatGLM3's ```` ```python\\ntool_call(name=value, ...)\\n``` ```` block, or GLM-4's JSON object. None when the
+    content is neither."""
+    text = content.strip()
+    if text.startswith("{"):
+        try:
+            arguments = json.loads(text)
+        except ValueError:
+            return None
+        return arguments if isinstance(arguments, dict) else None
+    code = "\n".join(content.split("\n")[1:-1]).strip()  # inside the ``` fence
+    try:
+        call = ast.parse(code, mode="eval").body
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "tool_call"
+                and not call.args and all(keyword.arg for keyword in call.keywords)):
+            return None
+        return {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    except (SyntaxError, ValueError):
+        return None
+
+
+class ChatMixin:
+    """`model.chat(tokenizer, "你好", history=[])` and friends, with the signatures, defaults and history format of
+    chatglm3-6b's remote code; GLM-4 checkpoints get them too, through their chat template."""
+
+    def process_response(self, output: str, history: list):
+        """Split a decoded answer into the assistant messages it holds; returns (content, history). The content is
+        the text, or for a tool call {"name", "parameters"} when the conversation declared tools (else
+        {"name", "content"})."""
+        content = ""
+        history = copy.deepcopy(history)
+        for response in output.split("<|assistant|>"):
+            metadata, content = response.split("\n", maxsplit=1) if "\n" in response else (response, "")
+            if not metadata.strip():
+                content = content.strip()
+                history.append({"role": "assistant", "metadata": metadata, "content": content})
+                content = content.replace("[[训练时间]]", "2023年")  # ChatGLM3's training-date placeholder
+                continue
+            history.append({"role": "assistant", "metadata": metadata, "content": content})
+            has_tools = bool(history) and history[0].get("role") == "system" and "tools" in history[0]
+            parameters = parse_tool_call(content) if has_tools else None
+            if parameters is not None:
+                content = {"name": metadata.strip(), "parameters": parameters}
+            else:
+                content = {"name": metadata.strip(), "content": content}
+        return content, history
+
+    @torch.inference_mode()
+    def chat(self, tokenizer, query: str, history: Optional[list] = None, role: str = "user",
+             max_length: int = 8192, num_beams=1, do_sample=True, top_p=0.8, temperature=0.8, logits_processor=None,
+             **kwargs):
+        """One chat turn; returns (response, history). The caller's history list is not modified."""
+        history = checked_history(history)
+        inputs = chat_inputs(tokenizer, query, history, role)
+        stop_ids = chat_stop_ids(tokenizer)
+        outputs = self.generate(
+            **inputs, max_length=max_length, num_beams=num_beams, do_sample=do_sample, top_p=top_p,
+            temperature=temperature, logits_processor=guarded(logits_processor), eos_token_id=stop_ids, **kwargs,
+        )
+        response = tokenizer.decode(answer_ids(outputs[0], inputs["input_ids"].shape[1], stop_ids))
+        history.append({"role": role, "content": query})
+        return self.process_response(response, history)
+
+    @torch.inference_mode()
+    def stream_chat(self, tokenizer, query: str, history: Optional[list] = None, role: str = "user",
+                    past_key_values=None, max_length: int = 8192, do_sample=True, top_p=0.8, temperature=0.8,
+                    logits_processor=None, return_past_key_values=False, **kwargs):
+        """chat() that yields (response, history) as the answer grows (whole characters only), with the cache as a
+        third item when `return_past_key_values`; pass that cache back to continue the conversation without
+        recomputing it."""
+        history = checked_history(history)
+        inputs = chat_inputs(tokenizer, query, history, role, continuing=past_key_values is not None)
+        if past_key_values is not None:
+            if isinstance(past_key_values, (tuple, list)):
+                past_key_values = cache_from_legacy(past_key_values)
+            past_length = past_key_values.get_seq_length()
+            inputs.pop("position_ids", None)  # the new turn continues after the cache: positions follow the mask
+            mask = inputs["attention_mask"]
+            inputs["attention_mask"] = torch.cat([mask.new_ones(mask.shape[0], past_length), mask], dim=1)
+        history.append({"role": role, "content": query})
+        stop_ids = chat_stop_ids(tokenizer)
+        prompt_length = inputs["input_ids"].shape[1]
+        response, shown = "", None
+        for step in self.stream_generate(
+            **inputs, past_key_values=past_key_values, eos_token_id=stop_ids, return_past_key_values=True,
+            max_length=max_length, do_sample=do_sample, top_p=top_p, temperature=temperature,
+            logits_processor=guarded(logits_processor), **kwargs,
+        ):
+            ids, past_key_values = step
+            text = tokenizer.decode(answer_ids(ids[0], prompt_length, stop_ids))
+            if text and not text.endswith("\ufffd"):  # a character still incomplete waits for its next bytes
+                response, new_history = self.process_response(text, history)
+                shown = text
+                yield (response, new_history, past_key_values) if return_past_key_values else (response, new_history)
+        if shown != text:  # the last text, even if it ends in U+FFFD
+            response, new_history = self.process_response(text, history)
+            yield (response, new_history, past_key_values) if return_past_key_values else (response, new_history)
+
+    @torch.inference_mode()
+    def stream_generate(self, input_ids, generation_config=None, logits_processor=None, stopping_criteria=None,
+                        prefix_allowed_tokens_fn=None, return_past_key_values=False, **kwargs):
+        """Sampling or greedy decoding that yields the ids so far (prompt included) after every new token, with the
+        cache when `return_past_key_values`. Takes generate()'s sampling settings (max_length / max_new_tokens,
+        do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id) and model inputs
+        (attention_mask, position_ids, past_key_values)."""
+        config = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
+        model_inputs = config.update(**kwargs)
+        attention_mask = model_inputs.pop("attention_mask", None)
+        position_ids = model_inputs.pop("position_ids", None)
+        past_key_values = model_inputs.pop("past_key_values", None)
+        if model_inputs:
+            raise ValueError(f"stream_generate() got unexpected arguments: {', '.join(sorted(model_inputs))}.")
+        device = execution_device(self.transformer.output_layer) or input_ids.device
+        input_ids = device_boundary(input_ids, device)
+        attention_mask = device_boundary(attention_mask, device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if attention_mask.shape[1] == input_ids.shape[1] and past_length:
+            attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], past_length),
+                                        attention_mask], dim=1)
+        max_length = input_ids.shape[1] + config.max_new_tokens if config.max_new_tokens is not None \
+            else config.max_length
+        stop_ids = config.eos_token_id if isinstance(config.eos_token_id, (list, tuple)) else [config.eos_token_id]
+        stop_ids = torch.tensor([i for i in stop_ids if i is not None], device=device)
+        processors = sampling_processors(config, logits_processor, prefix_allowed_tokens_fn)
+        stopping_criteria = stopping_criteria if stopping_criteria is not None else []
+        unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=device)
+        step_ids = input_ids
+        while input_ids.shape[1] < max_length:
+            outputs = self(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
+            past_key_values = outputs.past_key_values
+            scores = processors(input_ids, outputs.logits[:, -1, :].float())
+            if config.do_sample:
+                next_tokens = torch.multinomial(F.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                next_tokens = scores.argmax(dim=-1)
+            if config.pad_token_id is not None:  # finished rows keep padding
+                next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, config.pad_token_id))
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
+            step_ids, position_ids = next_tokens[:, None], None  # positions now follow the attention mask
+            unfinished &= ~torch.isin(next_tokens, stop_ids)
+            yield (input_ids, past_key_values) if return_past_key_values else input_ids
+            if not unfinished.any() or any(bool(torch.all(c(input_ids, scores))) for c in stopping_criteria):
+                break
+
+    def quantize(self, bits: int, empty_init=False, device=None, **kwargs):
+        """The original's `model.quantize(bits)`: weight-only quantization of the blocks' linear layers (embedding
+        and output layer stay), now through a maintained library: torchao when installed, else optimum-quanto.
+        Returns the model. `empty_init` and `device` are accepted for old calling code and not needed."""
+        if bits == 0:
+            return self
+        quantize_linear_layers(self.transformer.encoder, bits)
+        return self
+
+
+def guarded(logits_processor) -> LogitsProcessorList:
+    processors = LogitsProcessorList(logits_processor or [])
+    processors.append(InvalidScoreLogitsProcessor())
+    return processors
+
+
+def answer_ids(ids: torch.Tensor, prompt_length: int, stop_ids: list) -> list:
+    """The generated ids after the prompt, without the stop token that ended them."""
+    answer = ids[prompt_length:].tolist()
+    return answer[:-1] if answer and answer[-1] in stop_ids else answer
+
+
+def sampling_processors(config, logits_processor, prefix_allowed_tokens_fn) -> LogitsProcessorList:
+    """The logits processors stream_generate applies, in generate()'s order: the caller's, then penalties and
+    constraints, then the sampling warpers."""
+    processors = LogitsProcessorList(logits_processor or [])
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if prefix_allowed_tokens_fn is not None:
+        processors.append(PrefixConstrainedLogitsProcessor(prefix_allowed_tokens_fn, config.num_beams or 1))
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            processors.append(TopKLogitsWarper(config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(TopPLogitsWarper(config.top_p))
+    return processors
+
+
+QUANTIZATION_WIDTHS = (4, 8)
+
+
+def quantize_linear_layers(module: nn.Module, bits: int):
+    """Weight-only `bits`-bit quantization of the nn.Linear layers in `module`: torchao first (int8 on CPU and
+    CUDA; int4 where torchao has a kernel for the device, e.g. CUDA in bf16), then optimum-quanto."""
+    if bits not in QUANTIZATION_WIDTHS:
+        raise ValueError(f"quantize(bits={bits!r}): the supported widths are 4 and 8 (0 leaves the model as it is).")
+    def plain_linears():
+        return [m for m in module.modules() if type(m) is nn.Linear and type(m.weight) in (nn.Parameter, torch.Tensor)]
+
+    errors, before = [], len(plain_linears())
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+        quantize_(module, Int8WeightOnlyConfig() if bits == 8 else Int4WeightOnlyConfig(group_size=128))
+        if len(plain_linears()) < before:
+            return
+        errors.append("torchao: quantized no layer (sizes not a multiple of its group size)")
+    except Exception as error:  # not installed, or no kernel for this width and device: try the next library
+        errors.append(f"torchao: {type(error).__name__}: {error}")
+    try:
+        from optimum.quanto import freeze, qint4, qint8, quantize
+
+        quantize(module, weights=qint8 if bits == 8 else qint4)
+        freeze(module)
+        return
+    except Exception as error:
+        errors.append(f"optimum-quanto: {type(error).__name__}: {error}")
+    raise ImportError(
+        f"quantize({bits}) needs torchao (`pip install torchao`) or optimum-quanto (`pip install optimum-quanto`), "
+        "and neither could quantize here (" + "; ".join(errors) + "). Or quantize while loading: "
+        "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)) on CUDA, "
+        "TorchAoConfig(...) or QuantoConfig(weights='int8')."
+    )
+
+
+# ======================================================================================================================
 # Heads
 # ======================================================================================================================
 
@@ -888,7 +1186,7 @@ def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor
     return torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
 
 
-class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
+class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, GenerationMixin):
     loss_type = "ForCausalLM"
     _auto_class = "AutoModelForCausalLM"  # see the compatibility layer
 

@@ -43,7 +43,6 @@ def build_tiny_checkpoint(folder: Path, seed: int) -> Path:
     for name in CODE_FILES:
         if (REPO / name).exists():
             shutil.copy(REPO / name, folder / name)
-    shutil.copy(REPO / "generation_config.json", folder / "generation_config.json")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True),
                                              trust_remote_code=True)
@@ -52,6 +51,9 @@ def build_tiny_checkpoint(folder: Path, seed: int) -> Path:
             if "layernorm" not in name:
                 param.normal_(0.0, 1.0 if "word_embeddings" in name else 0.1)
     model.save_pretrained(folder)
+    # After save_pretrained, which writes a generation config derived from the model config: the real one has
+    # glm-4-9b-chat's stop ids and sampling defaults.
+    shutil.copy(REPO / "generation_config.json", folder / "generation_config.json")
     tokenizer_model = tokenizer_files()
     if tokenizer_model is not None:
         shutil.copy(tokenizer_model, folder / "tokenizer.model")

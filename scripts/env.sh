@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up shared by scripts/demo.sh and scripts/test.sh: one virtual environment in .venv with torch 2.13.0
 # (the CPU wheel) installed once and pinned, so that no later install can pull another torch.
-# Usage: source scripts/env.sh [TRANSFORMERS_VERSION]
+# Usage: source scripts/env.sh [TRANSFORMERS_VERSION]   (empty or absent: the newest tested release)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CHATGLM_VENV:-$ROOT/.venv}"
@@ -17,8 +17,13 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRA
 if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
   pip_install torch==2.13.0
 fi
+# The dependencies, then what the tests exercise as users do: PEFT, Pillow (GLM-4V images), torchao and
+# optimum-quanto (model.quantize()).
 if ! "$PY" -c 'import accelerate, safetensors, sentencepiece, tiktoken, pytest, hypothesis' 2>/dev/null; then
   pip_install accelerate safetensors sentencepiece tiktoken pytest hypothesis
+fi
+if ! "$PY" -c 'import peft, PIL, torchao, optimum.quanto' 2>/dev/null; then
+  pip_install peft pillow torchao optimum-quanto
 fi
 
 # use_transformers VERSION: swap the transformers release in the venv (its own tokenizers/huggingface-hub follow).

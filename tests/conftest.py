@@ -25,6 +25,16 @@ sys.path.insert(0, str(REPO / "tools"))
 from install_into_checkpoint import CODE_FILES  # noqa: E402
 
 
+# Modules whose tests split a model over simulated devices or processes: marked `multi_device` for the quick run.
+MULTI_DEVICE_MODULES = ("test_devices", "test_parallel", "test_virtual_devices")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in MULTI_DEVICE_MODULES:
+            item.add_marker(pytest.mark.multi_device)
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_MODULES_CACHE, ignore_errors=True)
 

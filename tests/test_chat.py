@@ -1,0 +1,198 @@
+"""ChatGLM3's chat API (chat, stream_chat, stream_generate, process_response) and quantize(), on tiny random models
+whose vocabularies cover the real tokenizers."""
+import sys
+
+import pytest
+import torch
+
+# The real vocabularies (the tokenizer's ids must be in range); small everything else.
+CHAT_VOCAB = {"chatglm3": 65024, "glm4": 151552}
+TOKENIZER = {"chatglm3": "chatglm3_tokenizer", "glm4": "glm4_tokenizer"}
+GREEDY = dict(do_sample=False, max_length=None, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module", params=["chatglm3", "glm4"])
+def chat_setup(request, tiny_model):
+    family = request.param
+    model = tiny_model(family, padded_vocab_size=CHAT_VOCAB[family], hidden_size=32, num_attention_heads=2,
+                       kv_channels=16, ffn_hidden_size=48, num_layers=2)
+    return family, model, request.getfixturevalue(TOKENIZER[family])
+
+
+def stop_ids(tokenizer):
+    return [tokenizer.eos_token_id, tokenizer.get_command("<|user|>"), tokenizer.get_command("<|observation|>")]
+
+
+def prompt_inputs(family, tokenizer, messages):
+    """The prompt as the family's own documentation builds it: ChatGLM3's build_chat_input, GLM-4's chat template."""
+    if family == "chatglm3":
+        return dict(tokenizer.build_chat_input(messages[-1]["content"], history=messages[:-1],
+                                               role=messages[-1]["role"]))
+    return dict(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_tensors="pt", return_dict=True))
+
+
+def test_greedy_chat_equals_decoding_generate_on_the_documented_prompt(chat_setup):
+    family, model, tokenizer = chat_setup
+    history = [{"role": "user", "content": "你好"}, {"role": "assistant", "metadata": "", "content": "你好👋"}]
+    inputs = prompt_inputs(family, tokenizer, history + [{"role": "user", "content": "Tell me about 北京."}])
+    generated = model.generate(**inputs, eos_token_id=stop_ids(tokenizer), **GREEDY)[0, inputs["input_ids"].shape[1]:]
+    answer = generated.tolist()
+    if answer[-1] in stop_ids(tokenizer):
+        answer = answer[:-1]
+    expected_text = tokenizer.decode(answer)
+
+    caller_history = list(history)
+    response, new_history = model.chat(tokenizer, "Tell me about 北京.", history=caller_history, **GREEDY)
+    assert caller_history == history  # not modified
+    metadata, content = expected_text.split("\n", 1) if "\n" in expected_text else (expected_text, "")
+    assert new_history[:3] == history + [{"role": "user", "content": "Tell me about 北京."}]
+    assert new_history[3]["role"] == "assistant"
+    if not metadata.strip():
+        assert response == content.strip().replace("[[训练时间]]", "2023年")
+    else:  # the random model named a "tool": no tools were declared, so the raw content comes back
+        assert response == {"name": metadata.strip(), "content": content}
+
+
+def test_stream_chat_yields_growing_prefixes_ending_in_the_chat_answer(chat_setup):
+    family, model, tokenizer = chat_setup
+    response, history = model.chat(tokenizer, "写一首诗", history=[], **GREEDY)
+    steps = list(model.stream_chat(tokenizer, "写一首诗", history=[], **GREEDY))
+    assert steps and steps[-1] == (response, history)
+    texts = [step[1][-1]["content"] for step in steps]
+    for shorter, longer in zip(texts, texts[1:]):
+        assert longer.startswith(shorter)
+    assert not any(text.endswith("\ufffd") for text in texts[:-1])  # multi-byte characters come whole
+
+
+def test_stream_generate_matches_generate_greedy_and_stops_at_stop_ids(chat_setup):
+    family, model, tokenizer = chat_setup
+    inputs = prompt_inputs(family, tokenizer, [{"role": "user", "content": "hello"}])
+    expected = model.generate(**inputs, **GREEDY)
+    *_, last = model.stream_generate(**inputs, **GREEDY)
+    assert last.tolist() == expected.tolist()
+    # Make the first greedy token a stop id: the stream ends right there.
+    first = int(expected[0, inputs["input_ids"].shape[1]])
+    *_, stopped = model.stream_generate(**inputs, eos_token_id=[first], **GREEDY)
+    assert stopped.shape[1] == inputs["input_ids"].shape[1] + 1
+
+
+def test_stream_chat_continues_from_the_returned_cache(chat_setup):
+    """A second turn on the first turn's cache equals generate() over what that cache holds plus the new turn
+    (which does not repeat the [gMASK]<sop> prefix)."""
+    family, model, tokenizer = chat_setup
+    *_, (_, history, cache) = model.stream_chat(tokenizer, "你好", history=[], return_past_key_values=True, **GREEDY)
+    cached = cache.get_seq_length()
+    first_turn = prompt_inputs(family, tokenizer, [{"role": "user", "content": "你好"}])["input_ids"]
+    answer = model.generate(input_ids=first_turn, eos_token_id=stop_ids(tokenizer), **GREEDY)
+    held = answer[:, :cached]
+    new_turn = prompt_inputs(family, tokenizer, [{"role": "user", "content": "再见"}])["input_ids"]
+    prefix = len(tokenizer.get_prefix_tokens())
+    assert new_turn[0, :prefix].tolist() == tokenizer.get_prefix_tokens()
+    truth = model.generate(input_ids=torch.cat([held, new_turn[:, prefix:]], 1), eos_token_id=stop_ids(tokenizer),
+                           **GREEDY)[0, cached + new_turn.shape[1] - prefix:].tolist()
+    if truth and truth[-1] in stop_ids(tokenizer):
+        truth = truth[:-1]
+    *_, (response, history2, _) = model.stream_chat(tokenizer, "再见", history=history, past_key_values=cache,
+                                                      return_past_key_values=True, **GREEDY)
+    expected, _ = model.process_response(tokenizer.decode(truth), history)
+    assert response == expected
+
+
+@pytest.mark.parametrize("history,entry", [
+    ([("你好", "你好！")], r"history\[0\]"),
+    ([{"role": "user", "content": "a"}, {"content": "b"}], r"history\[1\]"),
+    ([{"role": "bot", "content": "a"}], r"history\[0\].*'bot'"),
+])
+def test_chat_history_in_the_wrong_shape_names_the_entry(chat_setup, history, entry):
+    _, model, tokenizer = chat_setup
+    with pytest.raises(ValueError, match=entry):
+        model.chat(tokenizer, "hi", history=history)
+
+
+def test_chat_with_an_unknown_role_names_it(chat_setup):
+    _, model, tokenizer = chat_setup
+    with pytest.raises(ValueError, match="'narrator'"):
+        model.chat(tokenizer, "hi", history=[], role="narrator")
+
+
+# ---- process_response: tool calls are parsed, never evaluated ----
+
+TOOLS_HISTORY = [{"role": "system", "content": "Answer with tools.", "tools": [{"name": "get_weather"}]},
+                 {"role": "user", "content": "Weather in Beijing?"}]
+
+
+def test_chatglm3_tool_call_is_parsed_into_parameters(tiny_model):
+    model = tiny_model("chatglm3")
+    output = 'get_weather\n ```python\ntool_call(city="北京", days=3, detail={"wind": True})\n```'
+    content, history = model.process_response(output, TOOLS_HISTORY)
+    assert content == {"name": "get_weather", "parameters": {"city": "北京", "days": 3, "detail": {"wind": True}}}
+    assert history[-1] == {"role": "assistant", "metadata": "get_weather", "content": output.split("\n", 1)[1]}
+    assert len(TOOLS_HISTORY) == 2
+
+
+def test_glm4_json_tool_call_is_parsed_into_parameters(tiny_model):
+    model = tiny_model("glm4")
+    content, _ = model.process_response('get_weather\n{"city": "Beijing"}', TOOLS_HISTORY)
+    assert content == {"name": "get_weather", "parameters": {"city": "Beijing"}}
+
+
+def test_tool_call_output_is_never_evaluated(tiny_model, tmp_path):
+    model = tiny_model("chatglm3")
+    marker = tmp_path / "evaluated"
+    output = f"get_weather\n```python\ntool_call(city=open({str(marker)!r}, 'w').write('x'))\n```"
+    content, _ = model.process_response(output, TOOLS_HISTORY)
+    assert not marker.exists()
+    assert content == {"name": "get_weather", "content": output.split("\n", 1)[1]}
+
+
+def test_plain_answer_and_multi_message_output(tiny_model):
+    model = tiny_model("chatglm3")
+    content, history = model.process_response("\n 你好，我是 ChatGLM3 [[训练时间]]", [])
+    assert content == "你好，我是 ChatGLM3 2023年"
+    assert history == [{"role": "assistant", "metadata": "", "content": "你好，我是 ChatGLM3 [[训练时间]]"}]
+
+
+# ---- quantize() and quantized layers ----
+
+
+def test_quantize_rejects_unsupported_widths(tiny_model):
+    with pytest.raises(ValueError, match="4 and 8"):
+        tiny_model("glm4").quantize(3)
+
+
+def test_quantize_without_a_library_names_the_packages_and_alternatives(tiny_model, monkeypatch):
+    for name in ("torchao", "torchao.quantization", "optimum", "optimum.quanto"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    with pytest.raises(ImportError, match="torchao.*optimum-quanto.*BitsAndBytesConfig"):
+        tiny_model("glm4").quantize(8)
+
+
+def quantized_runs_close(model, reference, ids, tolerance=0.05):
+    """A quantized model runs forward and generate, and stays near the full-precision logits (another random model
+    is ~1.4 away in this measure; 4-bit weights of these tiny random layers move the logits by ~0.3)."""
+    with torch.no_grad():
+        got, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    relative = (got - expected).norm() / expected.norm()
+    assert relative < tolerance, relative
+
+
+IDS = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_with_a_maintained_library(tiny_model, bits):
+    pytest.importorskip("torchao" if bits == 8 else "optimum.quanto", reason="optional quantization library")
+    model = tiny_model("glm4").quantize(bits)
+    layer = model.transformer.encoder.layers[0].mlp.dense_h_to_4h
+    assert type(layer) is not torch.nn.Linear or type(layer.weight) is not torch.nn.Parameter  # really quantized
+    assert type(model.transformer.output_layer.weight) is torch.nn.Parameter  # the heads stay as they were
+    quantized_runs_close(model, tiny_model("glm4"), IDS, tolerance=0.05 if bits == 8 else 0.5)
+
+
+@pytest.mark.parametrize("family", ["glm4", "chatglm3"])
+def test_torch_ao_dynamic_int8_model_runs(tiny_model, family):
+    """Every nn.Linear, the output layer included, becomes a module without a float `weight`."""
+    model = torch.ao.quantization.quantize_dynamic(tiny_model(family), {torch.nn.Linear}, torch.qint8)
+    quantized_runs_close(model, tiny_model(family), IDS, tolerance=0.15)  # activations are quantized too
