@@ -7,22 +7,25 @@ chatglm3-6b checkpoint: copy it over the original and load the folder as before,
 
 Token ids are the originals' wherever the originals were right. What differs, on purpose:
 
-* Text that looks like a control token stays text. `tok("<|user|>")` encodes those eight characters like any other
-  text; control tokens come from `add_special_tokens=True` (the `[gMASK]<sop>` prefix), from the chat template, or
-  when the caller asks for them: `tok(text, split_special_tokens=False)` for one call, or
-  `AutoTokenizer.from_pretrained(folder, trust_remote_code=True, split_special_tokens=False)` for a tokenizer. In that
-  mode GLM-4 parses its 14 special tokens and ChatGLM3 its 9 control tokens ("sop"/"eop" only as whole words).
-  A tokenizer left at the default warns once the first time such text is encoded as text, because code that
-  tokenizes `apply_chat_template(..., tokenize=False)` output relied on the originals parsing it.
-  Tokens added with `add_tokens` (not special) are always matched, as in transformers.
-* `apply_chat_template(..., tokenize=True)` parses the control tokens the template writes, while control-token text
-  inside messages, tools or documents stays text. It returns the ids as `list[int]` (a tensor with `return_tensors`)
-  unless `return_dict=True`, which returns a `BatchEncoding`, on every transformers version (transformers 5 changed
-  its own default to a dict). For ChatGLM3 the ids are those of `build_chat_input` (role tokens, tools and metadata
-  included), the format the model was trained with; the Jinja text of `tokenize=False` is unchanged. For GLM-4 the
-  tool sections keep the blank line the template writes before each `## <tool>` heading (transformers' trim_blocks
-  dropped it), which is also what GLM-4's own Python prompt builder produced; pass `chat_template=` explicitly to
-  render a template exactly as transformers does.
+* Special-token text is parsed into control tokens, as the originals and every transformers tokenizer do:
+  `tok("[gMASK]<sop><|user|>\\nhi<|assistant|>", add_special_tokens=False)` gives the control ids, so the output of
+  `apply_chat_template(..., tokenize=False)` encodes to the ids of `apply_chat_template(..., tokenize=True)` (the
+  path of vLLM, SGLang, TRL and hand-built fine-tuning prompts). GLM-4 parses its 14 special tokens; ChatGLM3 its 9
+  control tokens, "sop"/"eop" only as whole words (the original split "isopropyl" around "sop"). For untrusted raw
+  text pass `split_special_tokens=True` (per call, or to `from_pretrained` for the tokenizer): such text is then
+  encoded as the characters it holds. Tokens added with `add_tokens` (not special) are always matched.
+* `apply_chat_template(..., tokenize=True)` keeps every string of the conversation as text: contents, role names,
+  dict keys, tools, metadata, documents and extra template variables never produce a control token, not even
+  by joining the template's own text (a role "user|>\\nhi<|assistant"). Control tokens come from the template and
+  from the family's role names (system, user, assistant, observation). It returns the ids as `list[int]` (a tensor
+  with `return_tensors`) unless `return_dict=True`, which returns a `BatchEncoding`, on every transformers version
+  (transformers 5 changed its own default to a dict).
+* ChatGLM3 with its stock template: the chat is `build_chat_input`'s format (role tokens, tools and metadata
+  included), the one the model was trained with, for `tokenize=True` and as text for `tokenize=False` (the
+  checkpoint's Jinja template dropped tools and metadata). GLM-4: the tool sections keep the blank line the template
+  writes before each `## <tool>` heading (transformers' trim_blocks dropped it), as GLM-4's own Python prompt builder
+  wrote it. Both also when the checkpoint's own template is passed as `chat_template=` (as vLLM does); any other
+  template is rendered as given.
 * `decode` is byte-exact: no spaces are inserted around special tokens (`spaces_between_special_tokens` is accepted
   and ignored), ids without a token decode to "" without repeating earlier bytes, and `skip_special_tokens=True`
   removes ChatGLM3's control tokens too.
@@ -31,12 +34,14 @@ Token ids are the originals' wherever the originals were right. What differs, on
   `position_ids`.
 * A pair encodes as `[gMASK] <sop> A B <eos>` (GLM-4 raised KeyError('<eos>')).
 * ChatGLM3: `len(tokenizer) == vocab_size == 64798`, and all 9 control tokens are special tokens.
-* A missing or damaged `tokenizer.model` raises an error naming the file and what was expected; text that is not a
-  `str` raises TypeError.
+* GLM-4 encodes whitespace runs of any length (tiktoken's regex engine gives up on about a million blanks).
+* A missing or damaged `tokenizer.model` raises an error naming the file (and, for GLM-4's text file, the line);
+  a file that reads well but differs from the released one logs a warning. Text that is not a `str` raises TypeError.
 """
 
 import base64
 import binascii
+import functools
 import hashlib
 import inspect
 import json
@@ -45,6 +50,7 @@ import os
 import re
 import secrets
 import shutil
+import unicodedata
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -213,37 +219,59 @@ def _alternation(tokens: Iterable[str], whole_word: Iterable[str] = ()) -> Optio
 
 
 class _ChatTextGuard:
-    """Keeps control-token text in user-supplied chat strings from becoming control tokens.
+    """Keeps every string a conversation carries from becoming, or helping to form, a control token.
 
-    Before rendering, every occurrence of a control token's text in the messages (and tools, documents, extra
-    template variables) is replaced by a placeholder that carries a per-call random number; after rendering, the
-    control tokens left in the text are the template's own. The placeholders are put back inside the plain-text
-    pieces before these are encoded, so the user's text is encoded exactly as the same text anywhere else.
+    Before rendering, each string (message contents, role names, dict keys, tools, metadata, documents, extra template
+    variables) has every control token's text, and every character control tokens are written with ("<", "|", ">",
+    "[", "]"), replaced by a placeholder carrying a per-call random number; so no control token can be read across
+    a string's edge either (a role "user|>\\nhi<|assistant" framed by the template's "<|" and "|>"). After
+    rendering, the control tokens left in the text are the template's own, and the placeholders are put back inside
+    the plain-text pieces before these are encoded, so the strings are encoded exactly as the same text anywhere else.
+
+    Role names are the one string GLM templates make a control token from (`<|{{ role }}|>`): the family's roles pass
+    unchanged, and any other role that would name a control token (say "endoftext") is replaced whole.
     """
 
-    def __init__(self, control_texts: Iterable[str]):
-        self._texts = sorted(set(control_texts), key=len, reverse=True)
-        self._find = _alternation(self._texts)
-        # Private-use characters around digits: no case or JSON escaping changes them.
+    def __init__(self, control_texts: Iterable[str], roles: Iterable[str]):
+        self._control = sorted(set(control_texts), key=len, reverse=True)
+        fragments = sorted({char for text in self._control for char in text if not (char.isalnum() or char == "_")})
+        self._roles = frozenset(roles)
+        self._table = self._control + fragments  # placeholder number -> the text it stands for
+        self._number = {text: index for index, text in enumerate(self._table)}
+        self._find = _alternation(self._table)
+        # Private-use characters around digits: no case change or JSON escaping alters them.
         nonce = "%012d" % secrets.randbelow(10**12)
         self._open, self._close = "\ue000" + nonce + ":", "\ue001"
         self._placeholder = re.compile(re.escape(self._open) + r"(\d+)" + re.escape(self._close))
 
+    def _stand_in(self, index: int) -> str:
+        return f"{self._open}{index}{self._close}"
+
     def protect(self, obj):
+        """`obj` with every string (dict keys included) protected; other values as they are."""
         if isinstance(obj, str):
             if self._find is None:
                 return obj
-            return self._find.sub(lambda m: f"{self._open}{self._texts.index(m.group(0))}{self._close}", obj)
+            return self._find.sub(lambda m: self._stand_in(self._number[m.group(0)]), obj)
         if isinstance(obj, dict):
-            return {key: self.protect(value) for key, value in obj.items()}
+            return {self.protect(key): self.protect(value) for key, value in obj.items()}
         if isinstance(obj, (list, tuple)):
             return [self.protect(value) for value in obj]
-        if hasattr(obj, "messages") and not isinstance(obj, type):  # a pipeline `Chat` object
-            return self.protect(obj.messages)
         return obj
 
+    def protect_conversation(self, messages: list) -> list:
+        protected = []
+        for message in messages:
+            safe = self.protect(message)
+            role = message.get("role") if isinstance(message, dict) else None
+            if isinstance(role, str) and role not in self._roles and f"<|{role}|>" in self._control:
+                self._table.append(role)
+                safe["role"] = self._stand_in(len(self._table) - 1)
+            protected.append(safe)
+        return protected
+
     def restore(self, text: str) -> str:
-        return self._placeholder.sub(lambda m: self._texts[int(m.group(1))], text)
+        return self._placeholder.sub(lambda m: self._table[int(m.group(1))], text)
 
 
 def _clean_up_tokenization(text: str) -> str:
@@ -284,17 +312,15 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
     CONTROL_TOKENS: Tuple[str, ...] = ()  # in id order, starting right after the model's own vocabulary
     PREFIX_TOKENS: Tuple[str, ...] = ()  # added in front of every sequence by add_special_tokens=True
     WHOLE_WORD_CONTROL_TOKENS: Tuple[str, ...] = ()  # parsed only when not inside a word
+    CHAT_ROLES = ("system", "user", "assistant", "observation")  # a template writes each as the token <|role|>
     EOS_TOKEN = ""
     EXPECTED_FILE = ""
     # Whether a token removed by skip_special_tokens still separates the decoding of the pieces around it.
     SKIPPED_TOKEN_ENDS_RUN = False
 
     def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False,
-                 split_special_tokens=None, **kwargs):
+                 split_special_tokens=False, **kwargs):
         _check_padding_side(padding_side)
-        # None: the default (control-token text stays text), which warns once when such text shows up; see tokenize.
-        self._warn_on_control_text = split_special_tokens is None
-        split_special_tokens = True if split_special_tokens is None else split_special_tokens
         self.vocab_file = _read_vocab_file(vocab_file, type(self).__name__, self.EXPECTED_FILE)
         first_control_id = self._load_model(self.vocab_file)
         self.control_token_ids: Dict[str, int] = {
@@ -414,38 +440,20 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
         return not split
 
     def tokenize(self, text, **kwargs) -> list:
-        """Tokens of `text`: control tokens stay text unless `split_special_tokens=False` (see the module doc).
+        """Tokens of `text`, control tokens parsed unless `split_special_tokens=True` (see the module doc).
 
         Tokens added with `add_tokens` match exactly where they occur (their lstrip/rstrip/single_word flags are not
         applied). Other keyword arguments are accepted and ignored, as transformers passes its own through here.
         """
         if not isinstance(text, str):
             raise TypeError(f"{type(self).__name__}.tokenize expects a str, got {type(text).__name__}")
-        parse_special = self._parse_special_requested(kwargs)
-        # transformers 5 passes the tokenizer's own setting on every call, so only the tokenizer's choice counts here
-        if self._warn_on_control_text and not parse_special:
-            self._warn_if_control_text(text)
         tokens = []
-        for piece, is_token in self._segments(text, parse_special):
+        for piece, is_token in self._segments(text, self._parse_special_requested(kwargs)):
             if is_token:
                 tokens.append(piece)
             else:
                 tokens.extend(self._tokenize(piece))
         return tokens
-
-    def _warn_if_control_text(self, text: str):
-        """The originals parsed control-token text; code that tokenizes apply_chat_template(tokenize=False) output
-        relies on that. Say once what changed rather than silently feed the model its role tokens as text."""
-        pattern = self._split_pattern(parse_special=True)
-        match = pattern.search(text) if pattern is not None else None
-        if match is not None and match.group(0) in self._special_texts():
-            self._warn_on_control_text = False
-            logger.warning(
-                f"{type(self).__name__}: the text holds {match.group(0)!r}, encoded as plain text (user text never "
-                "becomes a control token here). To encode control tokens written as text, such as the output of "
-                "apply_chat_template(..., tokenize=False), pass split_special_tokens=False to the call or to "
-                "from_pretrained; or use apply_chat_template(..., tokenize=True)."
-            )
 
     def _encode_segments(self, text: str, parse_special: bool,
                          restore: Optional[Callable[[str], str]] = None) -> List[int]:
@@ -583,19 +591,19 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
         for option in _CHAT_OPTIONS_ALWAYS_ON:
             kwargs.pop(option, None)
         conversations, batched = self._as_conversations(conversation)
+        builtin = self._uses_builtin_chat_format(chat_template)
         if not tokenize:
             rendered = [
-                self._render_chat(conv, tools, documents, chat_template, add_generation_prompt, kwargs)
+                self._builtin_chat_text(conv, add_generation_prompt) if builtin
+                else self._render_chat(conv, tools, documents, chat_template, add_generation_prompt, kwargs)
                 for conv in conversations
             ]
             return rendered if batched else rendered[0]
-        all_ids = []
-        for conv in conversations:
-            ids = self._chat_ids_without_template(conv, add_generation_prompt, chat_template)
-            if ids is None:
-                ids = self._chat_ids_from_template(conv, tools, documents, chat_template, add_generation_prompt,
-                                                   kwargs)
-            all_ids.append(ids)
+        all_ids = [
+            self._builtin_chat_ids(conv, add_generation_prompt) if builtin
+            else self._chat_ids_from_template(conv, tools, documents, chat_template, add_generation_prompt, kwargs)
+            for conv in conversations
+        ]
         return self._package_chat_ids(all_ids, batched, padding, truncation, max_length, return_tensors,
                                       return_dict, tokenizer_kwargs or {})
 
@@ -616,15 +624,21 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
             add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs,
         )
 
-    def _chat_ids_without_template(self, conversation, add_generation_prompt, chat_template) -> Optional[List[int]]:
-        """Hook for a tokenizer that builds chat ids in Python; None means "use the template"."""
-        return None
+    # A tokenizer whose chat format no Jinja template can express builds it in Python (ChatGLM3).
+    def _uses_builtin_chat_format(self, chat_template: Optional[str]) -> bool:
+        return False
+
+    def _builtin_chat_text(self, conversation, add_generation_prompt: bool) -> str:
+        raise NotImplementedError
+
+    def _builtin_chat_ids(self, conversation, add_generation_prompt: bool) -> List[int]:
+        raise NotImplementedError
 
     def _chat_ids_from_template(self, conversation, tools, documents, chat_template, add_generation_prompt,
                                 kwargs) -> List[int]:
-        guard = _ChatTextGuard(self._special_texts())
+        guard = _ChatTextGuard(self._special_texts(), self.CHAT_ROLES)
         rendered = self._render_chat(
-            guard.protect(conversation), guard.protect(tools), guard.protect(documents), chat_template,
+            guard.protect_conversation(conversation), guard.protect(tools), guard.protect(documents), chat_template,
             add_generation_prompt, {key: guard.protect(value) for key, value in kwargs.items()},
         )
         return self._encode_segments(rendered, parse_special=True, restore=guard.restore)
@@ -660,6 +674,58 @@ GLM4_PAT_STR = (
     r"|\s+(?!\S)|\s+"
 )
 GLM4_N_RANKS = 151329
+
+# tiktoken's regex engine gives up on a run of about a million blanks that no line break ends (PanicException
+# "StackOverflow", which `except Exception` does not catch): its `\s+(?!\S)` backtracks once per character. The
+# whitespace around a long run of blanks is cut out of the text before the regex and byte-pair merged in the pieces the
+# regex would have made of it; see _blank_run_pieces.
+# Unicode White_Space, the regex's \s (Python's str.isspace differs); blanks are those but the line breaks \r \n.
+_WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200B))))
+_BLANK_CLASS = "[" + re.escape("".join(sorted(_WHITESPACE - {"\r", "\n"}))) + "]"
+_WHITESPACE_RUN = re.compile("[" + re.escape("".join(sorted(_WHITESPACE))) + "]*")
+_LINE_BREAKS = re.compile("[\r\n]*")
+
+
+@functools.lru_cache(maxsize=None)
+def _blank_run_pattern(min_length: int) -> "re.Pattern":
+    # Anchored at the start of a run, so each run is scanned once.
+    return re.compile(f"(?<!{_BLANK_CLASS}){_BLANK_CLASS}{{{min_length},}}")
+
+
+def _is_punctuation(char: str) -> bool:
+    """The regex's [^\\s\\p{L}\\p{N}]."""
+    return char not in _WHITESPACE and unicodedata.category(char)[0] not in "LN"
+
+
+def _blank_run_pieces(text: str, min_length: int) -> Iterable[Tuple[int, int]]:
+    """(start, end) of the pieces GLM4_PAT_STR splits from each whitespace run of `text` holding `min_length` or more
+    blanks, in order; the text between them may go to tiktoken in parts.
+
+    The whitespace run W ends before a non-space or the end of the text. The regex splits it as follows: if a
+    punctuation piece precedes W, that piece takes W's leading line breaks (`[\\r\\n]*`); `\\s*[\\r\\n]+` then takes
+    W up to its last line break; of the blanks left, `\\s+(?!\\S)` takes all at the end of the text, else all but the
+    last, which starts the next piece. The pattern looks only ahead, so the text from a piece boundary splits the
+    same whatever precedes it, and a piece that ends where the text is cut ends there too.
+    """
+    done = 0
+    for run in _blank_run_pattern(min_length).finditer(text):
+        if run.start() < done:  # part of a run already split
+            continue
+        start, end = run.start(), _WHITESPACE_RUN.match(text, run.end()).end()
+        while start > done and text[start - 1] in _WHITESPACE:
+            start -= 1
+        if start > 0 and _is_punctuation(text[start - 1]):
+            start = _LINE_BREAKS.match(text, start).end()
+        last_break = max(text.rfind("\r", start, end), text.rfind("\n", start, end))
+        if last_break >= 0:
+            yield start, last_break + 1
+            start = last_break + 1
+        blanks_end = end if end == len(text) else end - 1
+        if blanks_end > start:
+            yield start, blanks_end
+            start = blanks_end
+        done = start
+
 
 # The prompt format of glm-4-9b-chat (its tokenizer_config.json chat_template). Used when a checkpoint has no
 # template (glm-4-9b base), where the original tokenizer built the same prompt in Python.
@@ -730,27 +796,63 @@ def keep_glm4_tool_heading_newlines(template: str) -> str:
     return _NEWLINES_BEFORE_HEADING_AFTER_TAG.sub(r"\1\n\n\n\2", template)
 
 
+# sha256 of glm-4-9b-chat's tokenizer.model, which the GLM-4 checkpoints share (its lines read with "\n" endings).
+GLM4_TOKENIZER_SHA256 = "5a493598071550244b2ee7f26118f3edec2150b9dfa967929a99052ac83fe716"
+
+
 def read_tiktoken_ranks(path: str) -> Dict[bytes, int]:
-    """Parse GLM-4's tokenizer.model: one "<base64 token> <rank>" per line, ranks 0..151328."""
-    expected = (f"GLM-4's tiktoken BPE file: {GLM4_N_RANKS} lines of '<base64 token> <rank>' "
-                f"with ranks 0..{GLM4_N_RANKS - 1}")
+    """Parse GLM-4's tokenizer.model: line i holds "<base64 of token i> i", for ranks 0..151328.
+
+    A damaged line (wrong fields, base64 that does not decode or does not encode back to itself, a rank out of
+    sequence, a repeated token) raises a ValueError naming the file and the line. A file that reads well but is not
+    GLM-4's own is checked further, because a flipped base64 character can still decode to another token: every token
+    longer than a byte must be two tokens of the file joined, as byte-pair merges build them (true of every token of
+    GLM-4's file). A file that passes that too loads, with a warning.
+    """
+    expected = (f"GLM-4's tiktoken BPE file ({GLM4_N_RANKS} lines '<base64 token> <rank>', ranks 0..{GLM4_N_RANKS - 1} "
+                "in order); re-download tokenizer.model from the checkpoint's repository")
+
+    def damaged(line_number: int, problem: str) -> ValueError:
+        return ValueError(f"{path}: line {line_number} {problem}; expected {expected}")
+
     ranks: Dict[bytes, int] = {}
+    line_numbers: List[int] = []  # rank -> line
+    digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for line_number, line in enumerate(handle, 1):
-            fields = line.split()
-            if not fields:
+            line = line.rstrip(b"\r\n")
+            if not line.strip():
                 continue
+            digest.update(line + b"\n")
+            fields = line.split()
+            if len(fields) != 2:
+                raise damaged(line_number, "is not '<base64 token> <rank>'")
             try:
-                if len(fields) != 2:
-                    raise ValueError("wrong number of fields")
-                token, rank = base64.b64decode(fields[0], validate=True), int(fields[1])
+                token = base64.b64decode(fields[0], validate=True)
             except (ValueError, binascii.Error):
-                raise ValueError(
-                    f"{path}: line {line_number} is not '<base64 token> <rank>'; expected {expected}"
-                ) from None
-            ranks[token] = rank
-    if len(ranks) != GLM4_N_RANKS or sorted(ranks.values()) != list(range(GLM4_N_RANKS)):
-        raise ValueError(f"{path}: found {len(ranks)} distinct tokens; expected {expected}")
+                raise damaged(line_number, "holds a token that is not base64") from None
+            if not token or base64.b64encode(token) != fields[0]:
+                raise damaged(line_number, "holds a token whose base64 is damaged (it does not encode back)")
+            if fields[1] != b"%d" % len(ranks):
+                raise damaged(line_number, f"has rank {fields[1].decode('ascii', 'replace')!r} where {len(ranks)} belongs")
+            if token in ranks:
+                raise damaged(line_number, f"holds the same token as line {line_numbers[ranks[token]]}")
+            ranks[token] = len(ranks)
+            line_numbers.append(line_number)
+    if len(ranks) != GLM4_N_RANKS:
+        raise ValueError(f"{path}: holds {len(ranks)} tokens; expected {expected}")
+    if digest.hexdigest() != GLM4_TOKENIZER_SHA256:
+        for byte in range(256):
+            if bytes([byte]) not in ranks:
+                raise ValueError(f"{path}: has no token for the byte {byte:#04x}; expected {expected}")
+        for token, rank in ranks.items():
+            if len(token) > 1 and not any(token[:cut] in ranks and token[cut:] in ranks for cut in range(1, len(token))):
+                raise damaged(line_numbers[rank], "holds a token no two tokens of the file join into (byte-pair "
+                                                  "merges build every longer token that way)")
+        logger.warning(
+            f"{path} reads as a GLM-4 tokenizer file but is not glm-4-9b-chat's (sha256 {digest.hexdigest()}, "
+            f"expected {GLM4_TOKENIZER_SHA256}); if you did not change it on purpose, re-download it."
+        )
     return ranks
 
 
@@ -765,6 +867,7 @@ class ChatGLM4Tokenizer(_GLMTokenizerBase):
     PREFIX_TOKENS = ("[gMASK]", "<sop>")
     EOS_TOKEN = "<|endoftext|>"
     EXPECTED_FILE = "GLM-4's tiktoken BPE file"
+    LONG_BLANK_RUN = 1 << 15  # runs of this many blanks or more are split before tiktoken's regex (see above)
 
     def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False, **kwargs):
         kwargs.setdefault("eos_token", self.EOS_TOKEN)
@@ -808,11 +911,24 @@ class ChatGLM4Tokenizer(_GLMTokenizerBase):
         return self._id_to_bytes[index] if 0 <= index < len(self._id_to_bytes) else ""
 
     def _encode_text(self, text: str) -> List[int]:
-        return self.tokenizer.encode_ordinary(text)
+        if len(text) < self.LONG_BLANK_RUN:
+            return self.tokenizer.encode_ordinary(text)
+        ids, done = [], 0
+        for start, end in _blank_run_pieces(text, self.LONG_BLANK_RUN):
+            ids += self.tokenizer.encode_ordinary(text[done:start])
+            ids += self._encode_single_piece(text[start:end])
+            done = end
+        return ids + self.tokenizer.encode_ordinary(text[done:])
+
+    def _encode_single_piece(self, piece: str) -> List[int]:
+        encode = getattr(self.tokenizer, "_encode_single_piece", None)  # tiktoken's byte-pair merge, without the regex
+        if encode is None:
+            raise RuntimeError(f"encoding a run of {len(piece)} blanks needs tiktoken >= 0.5: pip install -U tiktoken")
+        return encode(piece)
 
     def _tokenize(self, text: str, **kwargs) -> List[bytes]:
         """Byte tokens of plain text (bytes, as in the original; control tokens are str)."""
-        return [self._id_to_bytes[index] for index in self.tokenizer.encode_ordinary(text)]
+        return [self._id_to_bytes[index] for index in self._encode_text(text)]
 
     def _decode_run(self, ids: List[int]) -> bytes:
         size = len(self._id_to_bytes)
@@ -835,10 +951,11 @@ class ChatGLM4Tokenizer(_GLMTokenizerBase):
         return [self.get_command(f"<|{role}|>")] + self._encode_text(f"{metadata}\n") + self._encode_text(message)
 
     def _resolve_chat_template(self, chat_template, tools) -> str:
-        if chat_template is not None:
-            return self.get_chat_template(chat_template, tools)  # explicit: rendered as given
-        template = self.get_chat_template(None, tools) if self.chat_template is not None else _GLM4_CHAT_TEMPLATE
-        return keep_glm4_tool_heading_newlines(template)
+        own = self.get_chat_template(None, tools) if self.chat_template is not None else _GLM4_CHAT_TEMPLATE
+        template = own if chat_template is None else self.get_chat_template(chat_template, tools)
+        # GLM-4's template gets its tool-heading fix also when passed explicitly, as vLLM and SGLang pass the
+        # tokenizer's own; any other template is rendered as given.
+        return keep_glm4_tool_heading_newlines(template) if template in (own, _GLM4_CHAT_TEMPLATE) else template
 
 
 # ======================================================================================================================
@@ -846,11 +963,11 @@ class ChatGLM4Tokenizer(_GLMTokenizerBase):
 # ======================================================================================================================
 
 CHATGLM3_N_PIECES = 64789
-# sha256 of chatglm3-6b's Jinja chat_template. With that template, tokenize=True builds the ids in Python (like
-# build_chat_input) because the template cannot express ChatGLM3's format: it drops tools and metadata and writes
-# role tokens and SentencePiece's word-start markers as text.
+# sha256 of chatglm3-6b's Jinja chat_template. With that template the chat is built in Python, as build_chat_input
+# builds it (ids, and the text that encodes to them), because the template cannot express ChatGLM3's format: it
+# drops tools and metadata.
 _CHATGLM3_STOCK_TEMPLATE_SHA256 = "e4496f930bf7b7bc7e7cf8232e90fd43ab4a9d8eb9c77f6ec98f5beb5c5cbeaa"
-_CHATGLM3_ROLES = ("system", "user", "assistant", "observation")
+_CHATGLM3_ROLES = _GLMTokenizerBase.CHAT_ROLES
 
 
 class _SentencePieceModel:
@@ -966,34 +1083,60 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
             raise TypeError("ChatGLM3 message content and metadata must be str")
         return [self.get_command(f"<|{role}|>")] + self._encode_text(f"{metadata}\n") + self._encode_text(message)
 
-    def _message_ids(self, message: dict) -> List[int]:
-        content = message.get("content") or ""
-        if message["role"] == "system" and "tools" in message:
-            content = content + "\n" + json.dumps(message["tools"], indent=4, ensure_ascii=False)
-        return self.build_single_message(message["role"], message.get("metadata") or "", content)
+    def _turns(self, messages, name: str) -> List[Tuple[str, str, str]]:
+        """(role, metadata, content) of each message; a system message's tools are appended to its content as JSON,
+        as the original did. An entry of the wrong shape, or with a role ChatGLM3 does not have, is named."""
+        turns = []
+        for index, message in enumerate(messages):
+            where = f"{name}[{index}]"
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(f"{where} must be a dict with 'role' and 'content' (the original's history format), "
+                                 f"got {message!r:.100}")
+            role = message["role"]
+            if role not in _CHATGLM3_ROLES:
+                raise ValueError(f"{where}: unknown role {role!r}; ChatGLM3 roles are {', '.join(_CHATGLM3_ROLES)}")
+            content, metadata = message.get("content") or "", message.get("metadata") or ""
+            if not isinstance(content, str) or not isinstance(metadata, str):
+                raise TypeError(f"{where}: 'content' and 'metadata' must be str")
+            if role == "system" and "tools" in message:
+                content = content + "\n" + json.dumps(message["tools"], indent=4, ensure_ascii=False)
+            turns.append((role, metadata, content))
+        return turns
+
+    def _ids_of_turns(self, turns, add_generation_prompt: bool) -> List[int]:
+        ids = self.get_prefix_tokens()
+        for role, metadata, content in turns:
+            ids += self.build_single_message(role, metadata, content)
+        return ids + ([self.get_command("<|assistant|>")] if add_generation_prompt else [])
+
+    def _text_of_turns(self, turns, add_generation_prompt: bool) -> str:
+        # The same prompt as text that encodes to those ids: SentencePiece starts the content it encodes on its own
+        # with a word-start marker, which as text is the space the stock template also writes before the content.
+        parts = list(self.PREFIX_TOKENS)
+        for role, metadata, content in turns:
+            parts += [f"<|{role}|>", f"{metadata}\n", f" {content}" if content else ""]
+        return "".join(parts + (["<|assistant|>"] if add_generation_prompt else []))
 
     def build_chat_input(self, query: str, history: Optional[List[dict]] = None, role: str = "user",
                          return_tensors: Optional[str] = "pt") -> BatchEncoding:
         """ChatGLM3 prompt for `history` + (`role`, `query`), ending with `<|assistant|>` (API of the original)."""
-        ids = self.get_prefix_tokens()
-        for message in history or []:
-            ids += self._message_ids(message)
-        ids += self.build_single_message(role, "", query) + [self.get_command("<|assistant|>")]
-        return self.pad({"input_ids": [ids]}, return_tensors=return_tensors)
+        if role not in _CHATGLM3_ROLES:
+            raise ValueError(f"role={role!r} is not a ChatGLM3 role ({', '.join(_CHATGLM3_ROLES)})")
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a str, got {type(query).__name__}")
+        turns = self._turns(history or [], "history") + [(role, "", query)]
+        return self.pad({"input_ids": [self._ids_of_turns(turns, add_generation_prompt=True)]},
+                        return_tensors=return_tensors)
 
-    def _uses_stock_template(self) -> bool:
-        template = self.chat_template
+    def _uses_builtin_chat_format(self, chat_template: Optional[str]) -> bool:
+        template = self.chat_template if chat_template is None else chat_template
         return template is None or (
             isinstance(template, str)
             and hashlib.sha256(template.encode("utf-8")).hexdigest() == _CHATGLM3_STOCK_TEMPLATE_SHA256
         )
 
-    def _chat_ids_without_template(self, conversation, add_generation_prompt, chat_template) -> Optional[List[int]]:
-        if chat_template is not None or not self._uses_stock_template():
-            return None
-        ids = self.get_prefix_tokens()
-        for message in conversation:
-            ids += self._message_ids(message)
-        if add_generation_prompt:
-            ids.append(self.get_command("<|assistant|>"))
-        return ids
+    def _builtin_chat_text(self, conversation, add_generation_prompt: bool) -> str:
+        return self._text_of_turns(self._turns(conversation, "conversation"), add_generation_prompt)
+
+    def _builtin_chat_ids(self, conversation, add_generation_prompt: bool) -> List[int]:
+        return self._ids_of_turns(self._turns(conversation, "conversation"), add_generation_prompt)
