@@ -678,9 +678,10 @@ GLM4_N_RANKS = 151329
 # tiktoken's regex engine gives up on a run of about a million blanks that no line break ends (PanicException
 # "StackOverflow", which `except Exception` does not catch): its `\s+(?!\S)` backtracks once per character. The
 # whitespace around a long run of blanks is cut out of the text before the regex and byte-pair merged in the pieces the
-# regex would have made of it; see _blank_run_pieces.
-# Unicode White_Space, the regex's \s (Python's str.isspace differs); blanks are those but the line breaks \r \n.
-_WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200B))))
+# regex would have made of it; see _blank_run_pieces. Whitespace is Unicode White_Space, the regex's \s (Python's
+# str.isspace differs); blanks are whitespace but the line breaks \r and \n.
+_WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+                        + "".join(map(chr, range(0x2000, 0x200B))))
 _BLANK_CLASS = "[" + re.escape("".join(sorted(_WHITESPACE - {"\r", "\n"}))) + "]"
 _WHITESPACE_RUN = re.compile("[" + re.escape("".join(sorted(_WHITESPACE))) + "]*")
 _LINE_BREAKS = re.compile("[\r\n]*")
@@ -805,16 +806,9 @@ def read_tiktoken_ranks(path: str) -> Dict[bytes, int]:
 
     A damaged line (wrong fields, base64 that does not decode or does not encode back to itself, a rank out of
     sequence, a repeated token) raises a ValueError naming the file and the line. A file that reads well but is not
-    GLM-4's own is checked further, because a flipped base64 character can still decode to another token: every token
-    longer than a byte must be two tokens of the file joined, as byte-pair merges build them (true of every token of
-    GLM-4's file). A file that passes that too loads, with a warning.
+    glm-4-9b-chat's is checked further (see _check_unfamiliar_ranks), because a flipped base64 character can still
+    decode to another token.
     """
-    expected = (f"GLM-4's tiktoken BPE file ({GLM4_N_RANKS} lines '<base64 token> <rank>', ranks 0..{GLM4_N_RANKS - 1} "
-                "in order); re-download tokenizer.model from the checkpoint's repository")
-
-    def damaged(line_number: int, problem: str) -> ValueError:
-        return ValueError(f"{path}: line {line_number} {problem}; expected {expected}")
-
     ranks: Dict[bytes, int] = {}
     line_numbers: List[int] = []  # rank -> line
     digest = hashlib.sha256()
@@ -826,34 +820,48 @@ def read_tiktoken_ranks(path: str) -> Dict[bytes, int]:
             digest.update(line + b"\n")
             fields = line.split()
             if len(fields) != 2:
-                raise damaged(line_number, "is not '<base64 token> <rank>'")
+                raise _damaged_ranks(path, line_number, "is not '<base64 token> <rank>'")
             try:
                 token = base64.b64decode(fields[0], validate=True)
             except (ValueError, binascii.Error):
-                raise damaged(line_number, "holds a token that is not base64") from None
+                raise _damaged_ranks(path, line_number, "holds a token that is not base64") from None
             if not token or base64.b64encode(token) != fields[0]:
-                raise damaged(line_number, "holds a token whose base64 is damaged (it does not encode back)")
+                raise _damaged_ranks(path, line_number, "holds damaged base64 (it does not encode back)")
             if fields[1] != b"%d" % len(ranks):
-                raise damaged(line_number, f"has rank {fields[1].decode('ascii', 'replace')!r} where {len(ranks)} belongs")
+                rank = fields[1].decode("ascii", "replace")
+                raise _damaged_ranks(path, line_number, f"has rank {rank!r} where {len(ranks)} belongs")
             if token in ranks:
-                raise damaged(line_number, f"holds the same token as line {line_numbers[ranks[token]]}")
+                raise _damaged_ranks(path, line_number, f"holds the same token as line {line_numbers[ranks[token]]}")
             ranks[token] = len(ranks)
             line_numbers.append(line_number)
     if len(ranks) != GLM4_N_RANKS:
-        raise ValueError(f"{path}: holds {len(ranks)} tokens; expected {expected}")
+        raise _damaged_ranks(path, None, f"holds {len(ranks)} tokens")
     if digest.hexdigest() != GLM4_TOKENIZER_SHA256:
-        for byte in range(256):
-            if bytes([byte]) not in ranks:
-                raise ValueError(f"{path}: has no token for the byte {byte:#04x}; expected {expected}")
-        for token, rank in ranks.items():
-            if len(token) > 1 and not any(token[:cut] in ranks and token[cut:] in ranks for cut in range(1, len(token))):
-                raise damaged(line_numbers[rank], "holds a token no two tokens of the file join into (byte-pair "
-                                                  "merges build every longer token that way)")
+        _check_unfamiliar_ranks(path, ranks, line_numbers)
         logger.warning(
             f"{path} reads as a GLM-4 tokenizer file but is not glm-4-9b-chat's (sha256 {digest.hexdigest()}, "
             f"expected {GLM4_TOKENIZER_SHA256}); if you did not change it on purpose, re-download it."
         )
     return ranks
+
+
+def _damaged_ranks(path: str, line_number: Optional[int], problem: str) -> ValueError:
+    where = f"{path}: line {line_number}" if line_number is not None else path
+    return ValueError(
+        f"{where} {problem}; expected GLM-4's tiktoken BPE file ({GLM4_N_RANKS} lines '<base64 token> <rank>', ranks "
+        f"0..{GLM4_N_RANKS - 1} in order). Re-download tokenizer.model from the checkpoint's repository."
+    )
+
+
+def _check_unfamiliar_ranks(path: str, ranks: Dict[bytes, int], line_numbers: List[int]) -> None:
+    """Byte-pair merges build every token longer than a byte from two shorter tokens, and start from all 256 bytes
+    (true of glm-4-9b-chat's file): a token that breaks this is a damaged line."""
+    for byte in range(256):
+        if bytes([byte]) not in ranks:
+            raise _damaged_ranks(path, None, f"has no token for the byte {byte:#04x}")
+    for token, rank in ranks.items():
+        if len(token) > 1 and not any(token[:cut] in ranks and token[cut:] in ranks for cut in range(1, len(token))):
+            raise _damaged_ranks(path, line_numbers[rank], "holds a token that no two tokens of the file join into")
 
 
 class ChatGLM4Tokenizer(_GLMTokenizerBase):

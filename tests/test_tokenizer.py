@@ -13,7 +13,7 @@ import pickle
 import re
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import conftest
 
@@ -1138,6 +1138,10 @@ def whitespace_texts():
 
 @settings(max_examples=500, deadline=None, derandomize=True, database=None)
 @given(text=whitespace_texts(), min_run=st.sampled_from([1, 2, 3, 8]))
+@example(text="x.\n\n   y", min_run=2)  # a punctuation piece takes the line breaks after it
+@example(text="a\x1c\r\n \t z", min_run=1)  # U+001C: str.isspace(), yet not \s to the regex
+@example(text="word\u200b  \n\u3000\u3000", min_run=2)  # ends in blanks: the run goes to the end
+@example(text="\n  \n\t\ta", min_run=2)  # blanks between line breaks belong to the line-break piece
 def test_glm4_blank_runs_split_like_tiktoken(glm4_tokenizer, tiktoken_oracle, text, min_run):
     """Blank runs cut out before the regex (here from `min_run` blanks on) give tiktoken's own ids."""
     tok = glm4_tokenizer
