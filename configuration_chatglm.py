@@ -11,6 +11,15 @@ from transformers import PretrainedConfig
 # Fields that only the first-generation ChatGLM-6B config has: its weights have other names and shapes, and loading
 # them here would leave every layer randomly initialised.
 FIRST_GENERATION_FIELDS = ("position_encoding_2d", "inner_hidden_size", "gmask_token_id")
+# Size fields of other families (Llama, Qwen2, ...): a config.json with them describes another architecture, whose
+# auto_map points at this code by mistake.
+OTHER_FAMILY_FIELDS = ("num_key_value_heads", "intermediate_size", "head_dim")
+# The sizes a checkpoint's config.json must give: without them the model would be the 6B default.
+SIZE_FIELDS = ("num_layers", "padded_vocab_size", "hidden_size", "ffn_hidden_size", "kv_channels", "num_attention_heads")
+ROPE_RATIO_HINT = (
+    "ChatGLM/GLM-4 rotate with the base 10000 * rope_ratio and have no other rotary scaling (glm-4-9b-chat uses "
+    "rope_ratio 500, glm-4-9b-chat-1m 10000): set rope_ratio instead"
+)
 
 
 def reject_other_families(fields: dict):
@@ -20,6 +29,61 @@ def reject_other_families(fields: dict):
             f"This config has {', '.join(found)}: it is a first-generation ChatGLM-6B checkpoint, whose weights this "
             "code (ChatGLM2/3 and GLM-4) cannot load. Keep that checkpoint's own modeling files."
         )
+    model_type = fields.get("model_type", ChatGLMConfig.model_type)
+    foreign = [name for name in OTHER_FAMILY_FIELDS if name in fields]
+    if model_type != ChatGLMConfig.model_type or foreign:
+        described = f"model_type {model_type!r}" if model_type != ChatGLMConfig.model_type else "another family"
+        raise ValueError(
+            f"This config describes {described} (fields: {', '.join(foreign) or 'model_type'}), not ChatGLM2/3 or "
+            "GLM-4, whose config.json has num_layers, ffn_hidden_size, kv_channels, multi_query_group_num and "
+            "padded_vocab_size. Its auto_map points at ChatGLM's code by mistake: remove the auto_map entries and "
+            "load it with its own transformers class."
+        )
+
+
+def reject_rope_fields(fields: dict, rope_ratio):
+    """rope_scaling / rope_parameters / rope_theta of other families' configs are not read by this architecture:
+    refused rather than silently ignored. A rope_theta equal to 10000 * rope_ratio says the same thing and is
+    dropped."""
+    for name in ("rope_scaling", "rope_parameters"):
+        if fields.get(name) is not None:
+            raise ValueError(f"ChatGLMConfig does not implement {name} ({fields[name]!r}). {ROPE_RATIO_HINT}, and "
+                             f"remove {name} from config.json.")
+        fields.pop(name, None)
+    theta = fields.pop("rope_theta", None)
+    if theta is not None and not (is_number(theta) and is_number(rope_ratio) and theta == 10000 * rope_ratio):
+        raise ValueError(f"ChatGLMConfig does not read rope_theta ({theta!r}). {ROPE_RATIO_HINT}: rope_ratio = "
+                         "rope_theta / 10000, and remove rope_theta from config.json.")
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+# What each field of this config must hold: (test, description). Checked at construction and again by the model, so
+# that a string in config.json ("500", "false") fails naming its field instead of deep inside the model.
+BOOLEAN = (lambda v: isinstance(v, bool), "true or false")
+FIELD_RULES = {
+    **{name: (is_positive_int, "a positive integer")
+       for name in SIZE_FIELDS + ("seq_length", "multi_query_group_num")},
+    **{name: BOOLEAN for name in (
+        "rmsnorm", "apply_residual_connection_post_layernorm", "post_layer_norm", "add_bias_linear", "add_qkv_bias",
+        "bias_dropout_fusion", "multi_query_attention", "apply_query_key_layer_scaling", "attention_softmax_in_fp32",
+        "fp32_residual_connection", "original_rope", "prefix_projection", "use_cache", "tie_word_embeddings")},
+    "hidden_dropout": (lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "attention_dropout": (lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "classifier_dropout": (lambda v: v is None or (is_number(v) and 0 <= v < 1), "null or a number in [0, 1)"),
+    "layernorm_epsilon": (lambda v: is_number(v) and v > 0, "a positive number"),
+    "rope_ratio": (lambda v: is_number(v) and v > 0, "a positive number"),
+    "quantization_bit": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                         "0 or a number of bits"),
+    "pre_seq_len": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                    "null or a non-negative integer"),
+}
 
 
 class ChatGLMConfig(PretrainedConfig):
@@ -60,6 +124,7 @@ class ChatGLMConfig(PretrainedConfig):
         **kwargs,
     ):
         reject_other_families(kwargs)
+        reject_rope_fields(kwargs, rope_ratio)
         # GLM-4 configs carry both names; a disagreement would silently build the wrong depth.
         num_hidden_layers = kwargs.pop("num_hidden_layers", None)
         if num_hidden_layers is not None and num_hidden_layers != num_layers:
@@ -110,38 +175,36 @@ class ChatGLMConfig(PretrainedConfig):
     def head_dim(self) -> int:
         return self.kv_channels
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """A checkpoint's config.json must give its sizes: without them the model would silently be the 6B default
+        (tens of GB in fp32) with none of the checkpoint's weights fitting."""
+        reject_other_families(config_dict)
+        missing = [name for name in SIZE_FIELDS if name not in config_dict and name not in kwargs]
+        if missing:
+            raise ValueError(
+                f"config.json gives no {', '.join(missing)}: a ChatGLM2/3 / GLM-4 config states the model's sizes. "
+                "Use the config.json that came with the checkpoint."
+            )
+        return super().from_dict(config_dict, **kwargs)
+
     def validate_chatglm(self):
         """Reject field values the model cannot be built from, naming the field. Called again by the model,
         since fields can be changed after the config was made."""
-
-        def positive_int(name):
+        for name, (valid, expected) in FIELD_RULES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ChatGLMConfig.{name} must be a positive integer, got {value!r}.")
-
-        for name in ("num_layers", "padded_vocab_size", "hidden_size", "ffn_hidden_size", "kv_channels",
-                     "num_attention_heads", "seq_length"):
-            positive_int(name)
-        if self.multi_query_attention:
-            positive_int("multi_query_group_num")
-            if self.num_attention_heads % self.multi_query_group_num:
-                raise ValueError(
-                    f"ChatGLMConfig.num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                    f"multi_query_group_num ({self.multi_query_group_num}): each key/value group serves the same "
-                    "number of query heads."
-                )
+            if not valid(value):
+                quoted = " (a string: write the value without quotes in config.json)" if isinstance(value, str) else ""
+                raise ValueError(f"ChatGLMConfig.{name} must be {expected}, got {value!r}{quoted}.")
+        if self.multi_query_attention and self.num_attention_heads % self.multi_query_group_num:
+            raise ValueError(
+                f"ChatGLMConfig.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"multi_query_group_num ({self.multi_query_group_num}): each key/value group serves the same "
+                "number of query heads."
+            )
         if self.kv_channels % 4:
             raise ValueError(
                 f"ChatGLMConfig.kv_channels ({self.kv_channels}) must be a multiple of 4: rotary embeddings turn "
                 "the first half of each head as pairs of channels."
             )
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"ChatGLMConfig.{name} must be in [0, 1), got {value!r}.")
-        if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
-            raise ValueError(f"ChatGLMConfig.classifier_dropout must be None or in [0, 1), got {self.classifier_dropout!r}.")
-        if not self.layernorm_epsilon > 0:
-            raise ValueError(f"ChatGLMConfig.layernorm_epsilon must be positive, got {self.layernorm_epsilon!r}.")
-        if not self.rope_ratio > 0:
-            raise ValueError(f"ChatGLMConfig.rope_ratio must be positive, got {self.rope_ratio!r}.")
+        reject_rope_fields(dict(vars(self)), self.rope_ratio)

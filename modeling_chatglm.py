@@ -14,9 +14,11 @@ import copy
 import importlib
 import inspect
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
@@ -41,8 +43,11 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
+from transformers.utils import logging
 
 from .configuration_chatglm import ChatGLMConfig
+
+logger = logging.get_logger(__name__)
 
 # ======================================================================================================================
 # Compatibility layer: transformers 4.44.2 ... 5.x. Each shim names the versions that need it.
@@ -53,19 +58,51 @@ try:  # the attention-function registry appeared in 4.48
 except ImportError:
     ALL_ATTENTION_FUNCTIONS = None
 
-try:  # the shared loss functions appeared in 4.46
+try:  # the shared loss functions appeared in 4.46; their causal-LM loss takes `shift_labels` since 4.50
     from transformers.loss.loss_utils import ForCausalLMLoss as causal_lm_loss
 except ImportError:
+    causal_lm_loss = None
+if causal_lm_loss is None or "shift_labels" not in inspect.signature(causal_lm_loss).parameters:
 
-    def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kwargs):
-        """transformers < 4.46: the same computation as its later ForCausalLMLoss (fp32, shifted, summed over the
-        batch and divided by `num_items_in_batch` when the Trainer gives it)."""
+    def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                       **kwargs):
+        """transformers < 4.50: the computation of its later ForCausalLMLoss. fp32; `labels` shifted left (the last
+        position gets `ignore_index`) unless `shift_labels` come already shifted (sequence / context parallelism);
+        summed and divided by `num_items_in_batch` when the Trainer gives it, else the mean."""
         logits = logits.float()
-        shift_logits = logits[..., :-1, :].reshape(-1, vocab_size)
-        shift_labels = labels[..., 1:].reshape(-1)
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
+        loss = F.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index=ignore_index,
+                               reduction=reduction)  # the caller put the targets on the logits' device
         return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+try:  # 4.52: blocks that checkpoint themselves when gradient checkpointing is on
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:
+
+    class GradientCheckpointingLayer(nn.Module):
+        """transformers < 4.52: the same contract. `gradient_checkpointing_enable()` sets `gradient_checkpointing`
+        and `_gradient_checkpointing_func` on every module that has the attribute; tensors that need gradients are
+        passed positionally (reentrant checkpointing sees only those)."""
+
+        gradient_checkpointing = False
+
+        def __call__(self, *args, **kwargs):
+            if self.gradient_checkpointing and self.training:
+                return self._gradient_checkpointing_func(partial(super().__call__, **kwargs), *args)
+            return super().__call__(*args, **kwargs)
+
+
+# 5.0 reads `_tied_weights_keys` as {tied key: source key} (and ties only through it); earlier versions read a list of
+# the tied keys and tie the output embeddings to the input ones through get_output_embeddings().
+_TIED_KEYS_ARE_A_MAPPING = hasattr(PreTrainedModel, "get_expanded_tied_weights_keys")
+
+
+def tied_weights_keys(output_key: str, input_key: str):
+    """`_tied_weights_keys` in the form the installed transformers reads; used when config.tie_word_embeddings."""
+    return {output_key: input_key} if _TIED_KEYS_ARE_A_MAPPING else [output_key]
 
 
 try:  # 5.0: init functions that skip tensors already loaded from a checkpoint
@@ -256,6 +293,97 @@ class AttentionSizes:
         return replace(self, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
+def block_parameter_count(config: ChatGLMConfig) -> int:
+    """Weights of one GLMBlock's linear layers (norms and biases are negligible)."""
+    sizes = AttentionSizes.from_config(config)
+    return (sizes.qkv_features * config.hidden_size + sizes.num_heads * sizes.head_dim * config.hidden_size
+            + 3 * config.ffn_hidden_size * config.hidden_size)
+
+
+def parameter_count(config: ChatGLMConfig) -> int:
+    """Weights of the whole model from its sizes alone: embedding, blocks, output layer."""
+    return 2 * config.padded_vocab_size * config.hidden_size + config.num_layers * block_parameter_count(config)
+
+
+def validate_config(config: ChatGLMConfig):
+    """Our configuration class checks every field (type and value); the original one, which a user may keep beside
+    this file, checks nothing: then the fields the model is built from are checked here."""
+    validate = getattr(config, "validate_chatglm", None)
+    if callable(validate):
+        validate()
+        return
+    for name in ("num_layers", "padded_vocab_size", "hidden_size", "ffn_hidden_size", "kv_channels",
+                 "num_attention_heads", "multi_query_group_num"):
+        value = getattr(config, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"config.{name} must be a positive integer, got {value!r} (check config.json).")
+    model_type = getattr(config, "model_type", "chatglm")
+    if model_type != "chatglm" or hasattr(config, "intermediate_size"):
+        raise ValueError(
+            f"This config describes another model family (model_type {model_type!r}), not ChatGLM2/3 or GLM-4: its "
+            "auto_map points at ChatGLM's code by mistake. Load it with its own class."
+        )
+    rope_fields = {name: getattr(config, name, None) for name in ("rope_scaling", "rope_parameters", "rope_theta")}
+    if any(value is not None for value in rope_fields.values()):
+        raise ValueError(
+            f"config has {', '.join(n for n, v in rope_fields.items() if v is not None)}, which ChatGLM/GLM-4 do not "
+            "read: their rotary base is 10000 * rope_ratio. Set rope_ratio instead and remove those fields."
+        )
+
+
+def host_memory_bytes() -> Optional[int]:
+    """Physical memory plus swap of this machine (Linux / macOS), or None where it cannot be read."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            total += sum(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("SwapTotal:"))
+    except OSError:
+        pass
+    return total
+
+
+def memory_for_weights(device: torch.device) -> Optional[int]:
+    """Bytes that weights created on `device` can occupy at most. Weights built on `meta` (from_pretrained) are
+    placed later on any accelerator, the CPU or disk, so all of those count. None: unknown, no check."""
+    host = host_memory_bytes()
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    if device.type == "meta" and host is not None:
+        accelerators = sum(torch.cuda.get_device_properties(i).total_memory
+                           for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else 0
+        return host + accelerators + shutil.disk_usage(os.getcwd()).free
+    return None
+
+
+def parameter_creation_device() -> torch.device:
+    """Where new parameters go now: the default device, a `with torch.device(...)` block, or `meta` under
+    accelerate's init_empty_weights (which moves each registered parameter)."""
+    probe = nn.Module()
+    probe.register_parameter("probe", nn.Parameter(torch.empty(0)))
+    return probe.probe.device
+
+
+def check_fits_in_memory(config: ChatGLMConfig):
+    """Refuse sizes whose weights cannot fit where they would be created, before any is allocated: otherwise a
+    config with num_layers 1e9 hangs building modules, and one with absurd sizes dies in an out-of-memory error."""
+    device = parameter_creation_device()
+    capacity = memory_for_weights(device)
+    dtype = torch.get_default_dtype()
+    needed = parameter_count(config) * torch.empty(0, dtype=dtype, device="meta").element_size()
+    if capacity is not None and needed > capacity:
+        raise ValueError(
+            f"This config describes a model of {parameter_count(config) / 1e9:,.1f}B parameters "
+            f"({needed / 2 ** 30:,.0f} GiB in {dtype}), more than the {capacity / 2 ** 30:,.0f} GiB available for "
+            f"weights on {device}: check num_layers ({config.num_layers}), hidden_size, ffn_hidden_size and "
+            "padded_vocab_size in config.json, or load with device_map / a smaller dtype."
+        )
+
+
 # Fields every ChatGLM2/3 and GLM-4 configuration class defines; the others this file reads have defaults.
 REQUIRED_CONFIG_FIELDS = (
     "num_layers", "padded_vocab_size", "hidden_size", "ffn_hidden_size", "kv_channels", "num_attention_heads",
@@ -273,9 +401,7 @@ def check_supported(config: ChatGLMConfig):
             f"({type(config).__module__}) is not a ChatGLM2/3 or GLM-4 one, or is older than this file. Copy this "
             "repository's configuration_chatglm.py into the checkpoint folder too."
         )
-    validate = getattr(config, "validate_chatglm", None)  # our configuration class; the originals validate nothing
-    if validate is not None:
-        validate()
+    validate_config(config)
     complete_original_config(config)
     if getattr(config, "quantization_bit", 0):
         raise ValueError(
@@ -288,6 +414,7 @@ def check_supported(config: ChatGLMConfig):
             f"config.pre_seq_len={config.pre_seq_len}: P-tuning v2 prefixes (prefix_encoder) are not supported by this "
             "fork. Set pre_seq_len to null, or fine-tune with PEFT (prefix tuning or LoRA) instead."
         )
+    check_fits_in_memory(config)
 
 
 # ======================================================================================================================
@@ -325,9 +452,7 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
     if not devices:
         raise ValueError("balanced_device_map needs at least one device")
     vocab_weights = config.padded_vocab_size * config.hidden_size
-    block = (AttentionSizes.from_config(config).qkv_features * config.hidden_size
-             + config.num_attention_heads * config.kv_channels * config.hidden_size
-             + 3 * config.ffn_hidden_size * config.hidden_size)
+    block = block_parameter_count(config)
     items = (["transformer.embedding"] + [f"transformer.encoder.layers.{i}" for i in range(config.num_layers)]
              + ["transformer.output_layer"])
     sizes = [vocab_weights] + [block] * config.num_layers + [vocab_weights]
@@ -339,6 +464,23 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
     device_map["transformer.rotary_pos_emb"] = device_map["transformer.embedding"]
     device_map["transformer.encoder.final_layernorm"] = device_map["transformer.output_layer"]
     return device_map
+
+
+def check_loaded_weights(model: nn.Module, loading_info: dict, source):
+    """Refuse a checkpoint that holds few of the model's weights (another family's keys, or first-generation
+    ChatGLM-6B ones under a ChatGLM2/3 config): the model would otherwise run with random weights, with only
+    transformers' load report saying so."""
+    missing = set(loading_info.get("missing_keys") or ())
+    expected = [name for name, _ in model.named_parameters()]
+    if 2 * len(missing) <= len(expected):
+        return
+    found = sorted(loading_info.get("unexpected_keys") or ())
+    raise ValueError(
+        f"{source} holds {len(expected) - len(missing)} of the {len(expected)} weights of {type(model).__name__}: it "
+        "is not a ChatGLM2/3 / GLM-4 checkpoint (first-generation ChatGLM-6B and other families name their weights "
+        f"differently). Expected keys such as {sorted(missing)[:4]}; found {found[:4] or 'none of them'}"
+        f"{' (and %d more)' % (len(found) - 4) if len(found) > 4 else ''}. Load it with the code it came with."
+    )
 
 
 def check_device_map(model: nn.Module, device_map: dict):
@@ -381,15 +523,20 @@ def check_device_map(model: nn.Module, device_map: dict):
 
 class LayerInputs:
     """What every layer reads besides the hidden states (rotary cos/sin, attention mask, the cache slots of the new
-    tokens), made once per forward and copied to each device that holds layers once, not once per layer."""
+    tokens, the attention kernel with its extra arguments), made once per forward and copied to each device that
+    holds layers once, not once per layer."""
 
-    def __init__(self, cos, sin, mask, cache_position):
+    def __init__(self, cos, sin, mask, cache_position, kernel, kernel_kwargs):
         self._source = (cos, sin, mask, cache_position)
+        self._kernel, self._kernel_kwargs = kernel, kernel_kwargs
         self._copies = {}
 
     def on(self, device: torch.device):
         if device not in self._copies:
-            self._copies[device] = tuple(device_boundary(t, device) for t in self._source)
+            kwargs = {k: device_boundary(v, device) if isinstance(v, torch.Tensor) else v
+                      for k, v in self._kernel_kwargs.items()}
+            attend = partial(self._kernel, **kwargs) if kwargs else self._kernel
+            self._copies[device] = tuple(device_boundary(t, device) for t in self._source) + (attend,)
         return self._copies[device]
 
 
@@ -466,13 +613,57 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
-def build_attention_mask(implementation, attention_mask, query_positions, key_length):
+def attention_implementation(config: ChatGLMConfig, output_attentions: bool) -> str:
+    """The kernel of one forward: the configured one, or eager when attention weights are asked for (the fused and
+    flash kernels do not compute them; transformers' models fall back the same way)."""
+    implementation = config._attn_implementation or "eager"
+    if output_attentions and implementation != "eager":
+        logger.warning_once(
+            f"output_attentions=True: the attention weights are computed by the eager kernel for those calls "
+            f"instead of {implementation!r} (slower, more memory). Load with attn_implementation='eager' to make it "
+            "the default."
+        )
+        return "eager"
+    return implementation
+
+
+def packed_sequence_ids(position_ids: Optional[torch.Tensor], attention_mask, past_length) -> Optional[torch.Tensor]:
+    """Padding-free batches (DataCollatorWithFlattening, TRL packing) hold several sequences in one row, each
+    starting again at position 0. Returns, per token, the number of its sequence within the row ([batch or 1, new]),
+    or None when every row is one sequence. Only a prompt without a custom 4D mask can be packed; the check costs
+    one host sync per prompt (none per decode step)."""
+    if position_ids is None or not (isinstance(past_length, int) and past_length == 0) or position_ids.shape[-1] < 2:
+        return None
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return None
+    restarts = torch.diff(position_ids, dim=-1, prepend=position_ids[..., :1] - 1) != 1
+    sequence_ids = restarts.cumsum(-1)
+    if not is_compiling() and not bool(sequence_ids[..., -1].any()):
+        return None
+    return sequence_ids
+
+
+def flash_varlen_kwargs(sequence_ids: torch.Tensor, position_ids: torch.Tensor, batch_size: int) -> dict:
+    """The flash kernels' own description of packed rows: the boundaries of every sequence in the flattened batch
+    (cu_seq_lens) and the longest one. transformers' flash path reads them when the mask is None (>= 4.48)."""
+    sequence_ids = sequence_ids.expand(batch_size, -1)
+    starts = F.pad(sequence_ids[:, 1:] != sequence_ids[:, :-1], (1, 0), value=True).flatten()
+    boundaries = F.pad(starts.nonzero().flatten(), (0, 1), value=starts.numel()).to(torch.int32)
+    longest = int((boundaries[1:] - boundaries[:-1]).max())
+    return dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=longest, max_length_k=longest,
+                position_ids=position_ids.expand(batch_size, -1))
+
+
+def build_attention_mask(implementation, attention_mask, query_positions, key_length, *, batch_size,
+                         preallocated=False, sequence_ids=None):
     """The mask the attention kernels take.
 
-    attention_mask: None, a [batch, past + new] padding mask (1 = token, 0 = padding), or a 4D mask that generate()
-    prepared for a static cache (passed through). query_positions: [1, new], each query's slot in the cache.
-    Returns None (plain causal), the 2D padding mask (flash kernels apply causality themselves), or a boolean
-    [batch, 1, new, key_length] mask, True where a query may attend.
+    attention_mask: None, a [batch, past + new] padding mask (1 = token, 0 = padding), or a 4D mask (a custom one,
+    or one generate() prepared for a static cache: passed through). query_positions: [1, new], each query's slot in
+    the cache; preallocated: the cache has key_length slots, those beyond the last query unwritten (static caches).
+    sequence_ids: packed rows (packed_sequence_ids), each token attending only within its own sequence.
+    Returns None (plain causal), a 2D [batch, key_length] padding mask for the flash kernels (they apply causality
+    and packing themselves), or a boolean [batch, 1, new, key_length] mask, True where a query may attend.
     """
     if attention_mask is not None and attention_mask.dim() == 4:
         return attention_mask
@@ -480,12 +671,19 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
     prefill = query_length == key_length
     if attention_mask is not None and prefill and not is_compiling() and bool(attention_mask.all()):
         attention_mask = None  # one host sync per prompt buys the fused causal kernels
-    if implementation is not None and implementation.startswith("flash"):
-        return attention_mask
-    if attention_mask is None and (query_length == 1 or (prefill and implementation == "sdpa")):
-        return None
     key_positions = torch.arange(key_length, device=query_positions.device)
+    if implementation.startswith("flash"):
+        if attention_mask is None and preallocated:  # only the written slots
+            attention_mask = (key_positions[None] <= query_positions[:, -1:]).expand(batch_size, -1)
+        if attention_mask is not None and attention_mask.shape[-1] < key_length:
+            attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[-1]), value=0)
+        return attention_mask
+    if attention_mask is None and sequence_ids is None and not preallocated \
+            and (query_length == 1 or (prefill and implementation == "sdpa")):
+        return None
     mask = key_positions[None, None, :] <= query_positions[:, :, None]
+    if sequence_ids is not None:  # a prompt: queries and keys are the same tokens
+        mask = mask & (sequence_ids[:, :, None] == sequence_ids[:, None, :])
     if attention_mask is not None:
         padding = attention_mask.bool()
         if padding.shape[-1] < key_length:  # a static cache's slots beyond the mask are unwritten
@@ -528,14 +726,15 @@ class SelfAttention(nn.Module):
             q, k, v = mixed.unflatten(-1, (s.num_heads, 3 * s.head_dim)).split(s.head_dim, dim=-1)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None):
+    def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None, attend=None):
+        """attend: the kernel the model chose for this forward (LayerInputs), else the configured one."""
         batch, seq, _ = hidden_states.shape
         query, key, value = self.split_heads(self.query_key_value(hidden_states))
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         if past_key_values is not None:
             # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
             key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
-        attend = attention_function(self.config._attn_implementation)
+        attend = attend or attention_function(self.config._attn_implementation)
         out, weights = attend(
             self, query, key, value, attention_mask,
             dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling,
@@ -593,7 +792,10 @@ def make_norm(config: ChatGLMConfig) -> nn.Module:
 # ======================================================================================================================
 
 
-class GLMBlock(nn.Module):
+class GLMBlock(GradientCheckpointingLayer):
+    """One layer. Under gradient checkpointing it recomputes itself in the backward pass (GradientCheckpointingLayer):
+    hidden_states stay the first positional argument."""
+
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
         self.layer_number = layer_number
@@ -611,10 +813,10 @@ class GLMBlock(nn.Module):
         out = norm(hidden_states)
         return out.to(norm.weight.dtype) if self.fp32_residual else out
 
-    def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None):
+    def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None, attend=None):
         normed = self.norm(self.input_layernorm, hidden_states)
         attention_output, weights = self.self_attention(
-            normed, cos, sin, attention_mask, cache_position, past_key_values
+            normed, cos, sin, attention_mask, cache_position, past_key_values, attend
         )
         residual = normed if self.residual_after_norm else hidden_states
         hidden_states = residual + F.dropout(attention_output, p=self.hidden_dropout, training=self.training)
@@ -633,7 +835,6 @@ class GLMTransformer(nn.Module):
         self.num_layers = config.num_layers
         self.layers = nn.ModuleList([GLMBlock(config, number + 1) for number in range(config.num_layers)])
         self.final_layernorm = make_norm(config) if config.post_layer_norm else None
-        self.gradient_checkpointing = False  # set by PreTrainedModel.gradient_checkpointing_enable()
 
     def forward(self, hidden_states, layer_inputs: LayerInputs, past_key_values=None,
                 output_hidden_states=False, output_attentions=False):
@@ -644,13 +845,8 @@ class GLMTransformer(nn.Module):
             hidden_states = device_boundary(hidden_states, device)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            cos, sin, mask, cache_position = layer_inputs.on(device)
-            if self.gradient_checkpointing and self.training:
-                hidden_states, weights = self._gradient_checkpointing_func(
-                    layer.__call__, hidden_states, cos, sin, mask, cache_position, past_key_values
-                )
-            else:
-                hidden_states, weights = layer(hidden_states, cos, sin, mask, cache_position, past_key_values)
+            cos, sin, mask, cache_position, attend = layer_inputs.on(device)
+            hidden_states, weights = layer(hidden_states, cos, sin, mask, cache_position, past_key_values, attend)
             if output_attentions:
                 all_attentions += (weights,)
         if self.final_layernorm is not None:
@@ -677,6 +873,9 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True  # 5.x name
     _supports_cache_class = True  # 4.x: generate() hands us Cache objects
     _supports_static_cache = True
+    # Attention kernels registered with transformers (AttentionInterface) run in every layer with the forward's extra
+    # keyword arguments, and custom 4D masks are honoured (tests/test_attention.py).
+    _supports_attention_backend = True
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
@@ -693,7 +892,11 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         if isinstance(device_map, dict):
             with torch.device("meta"):
                 check_device_map(cls(cls._config_for(pretrained_model_name_or_path, kwargs)), device_map)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        with_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
+                                              **kwargs)
+        check_loaded_weights(model, info, pretrained_model_name_or_path)
+        return (model, info) if with_info else model
 
     @classmethod
     def _config_for(cls, pretrained_model_name_or_path, kwargs) -> ChatGLMConfig:
@@ -751,6 +954,87 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
         )
 
 
+def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values):
+    """Shapes and dtypes of the base model's inputs, each error naming the argument and the shape it must have. Reads
+    shapes only (no host sync); token id values are checked separately (check_token_ids)."""
+
+    def refuse(name, tensor, expected):
+        got = f"shape {list(tensor.shape)}, dtype {tensor.dtype}" if isinstance(tensor, torch.Tensor) else repr(tensor)
+        raise ValueError(f"{name} must be {expected}; got {got}.")
+
+    def is_integer(t):
+        return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer(input_ids):
+            refuse("input_ids", input_ids, "an integer tensor [batch, sequence] (one row per sequence: add a batch "
+                   "dimension with input_ids[None], or use the tokenizer's return_tensors='pt')")
+        name, tokens = "input_ids", input_ids
+    else:
+        hidden = model.config.hidden_size
+        if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 \
+                or inputs_embeds.shape[-1] != hidden or not inputs_embeds.is_floating_point():
+            refuse("inputs_embeds", inputs_embeds, f"a floating tensor [batch, sequence, {hidden}] (hidden_size)")
+        name, tokens = "inputs_embeds", inputs_embeds
+    batch, length = tokens.shape[:2]
+    if batch == 0 or length == 0:
+        raise ValueError(f"{name} holds no tokens (shape {list(tokens.shape)}): pass at least one token per sequence "
+                         "(a prompt cannot be empty; the GLM tokenizers start every prompt with [gMASK] <sop>).")
+
+    past = cached_length(past_key_values, model, batch)
+    if attention_mask is not None:
+        columns = f"{past} + {length}" if isinstance(past, int) else "the cached and the new tokens"
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_complex():
+            refuse("attention_mask", attention_mask, f"a tensor [{batch}, {columns}] of 1 (token) and 0 (padding)")
+        if attention_mask.dim() == 4:
+            if attention_mask.shape[0] != batch or attention_mask.shape[2] != length \
+                    or (isinstance(past, int) and attention_mask.shape[3] < past + length) \
+                    or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
+                refuse("attention_mask", attention_mask, f"a custom 4D mask [{batch}, 1, {length}, {columns}] of bool "
+                       "(True: attend) or float (0 or -inf, added to the scores)")
+        elif attention_mask.dim() != 2 or attention_mask.shape[0] != batch \
+                or (isinstance(past, int) and attention_mask.shape[1] != past + length):
+            refuse("attention_mask", attention_mask, f"[batch, cached + new tokens] = [{batch}, {columns}] (or a "
+                   "custom 4D mask)")
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
+                or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length \
+                or not is_integer(position_ids):
+            refuse("position_ids", position_ids, f"an integer tensor [{batch}, {length}] (batch, new tokens)")
+
+    capacity = max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None
+    if capacity is not None and isinstance(past, int) and past + length > capacity:
+        raise ValueError(f"past_key_values is a static cache of {capacity} tokens, which cannot take {length} new "
+                         f"tokens after {past}: create it with a larger max_cache_len.")
+
+
+def cached_length(past_key_values, model, batch: int):
+    """Tokens held by `past_key_values` (an int; a tensor for static caches before 5.0), after checking its type and,
+    for a legacy tuple, its layout: one (key, value) pair per layer, each [batch, kv_heads, cached, head_dim]."""
+    if past_key_values is None:
+        return 0
+    if isinstance(past_key_values, Cache):
+        return past_key_values.get_seq_length()
+    sizes = model.encoder.layers[0].self_attention.sizes
+    layers = len(model.encoder.layers)
+    expected = (f"a transformers Cache (DynamicCache, StaticCache), or a tuple of {layers} (key, value) pairs, each "
+                f"[{batch}, {sizes.num_kv_heads}, cached tokens, {sizes.head_dim}]")
+    if not isinstance(past_key_values, (tuple, list)) or len(past_key_values) != layers:
+        got = f"a {type(past_key_values).__name__}" + (f" of {len(past_key_values)}"
+                                                       if isinstance(past_key_values, (tuple, list)) else "")
+        raise ValueError(f"past_key_values must be {expected}; got {got}.")
+    first = past_key_values[0][0] if len(past_key_values[0]) == 2 else None
+    for pair in past_key_values:
+        if len(pair) != 2 or any(not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != sizes.num_kv_heads
+                                 or t.shape[3] != sizes.head_dim or t.shape[0] != batch
+                                 or t.shape[:3] != first.shape[:3] for t in pair):
+            shapes = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
+            raise ValueError(f"past_key_values must be {expected}; got a layer with {shapes}.")
+    return first.shape[2]
+
+
 class Embedding(nn.Module):
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
@@ -763,6 +1047,10 @@ class Embedding(nn.Module):
 
 
 class ChatGLMModel(ChatGLMPreTrainedModel):
+    # The output layer lives in the base model (the original's layout); tied to the embedding only when
+    # config.tie_word_embeddings (false in every released checkpoint).
+    _tied_weights_keys = tied_weights_keys("output_layer.weight", "embedding.word_embeddings.weight")
+
     def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
         # empty_init and device are the original constructor's arguments, accepted so that calling code keeps
         # working: from_pretrained already skips initialising loaded weights, and `device` places the model.
@@ -801,9 +1089,8 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         )
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
-        if self.encoder.gradient_checkpointing and self.training and use_cache:
+        check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values)
+        if self.training and use_cache and any(layer.gradient_checkpointing for layer in self.encoder.layers):
             use_cache = False  # checkpointed layers run twice; a cache would be filled twice
 
         # Inputs to the embedding's device.
@@ -812,6 +1099,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         input_ids = device_boundary(input_ids, embedding_device)
         inputs_embeds = device_boundary(inputs_embeds, embedding_device)
         attention_mask = device_boundary(attention_mask, embedding_device)
+        position_ids = device_boundary(position_ids, embedding_device)
 
         # A cache given with use_cache=False is still read (as the original and transformers' models do); only a
         # cache this call would create is skipped, and no cache is returned.
@@ -831,12 +1119,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         query_length = inputs_embeds.shape[1]
 
         query_positions = (torch.arange(query_length, device=embedding_device) + past_length)[None]
-        if attention_mask is not None and attention_mask.dim() == 2 and isinstance(past_length, int) \
-                and attention_mask.shape[-1] != past_length + query_length:
-            raise ValueError(
-                f"attention_mask has {attention_mask.shape[-1]} columns but must cover the cached and the new tokens "
-                f"({past_length} + {query_length})."
-            )
+        sequence_ids = packed_sequence_ids(position_ids, attention_mask, past_length)  # given positions only
         if position_ids is None:
             position_ids = self.default_position_ids(attention_mask, query_positions, query_length)
 
@@ -844,12 +1127,21 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         rotary_device = execution_device(self.rotary_pos_emb)
         cos, sin = self.rotary_pos_emb(device_boundary(position_ids, rotary_device), self.compute_dtype)
 
-        key_length = (max_cache_length(past_key_values) if past_key_values is not None else None) \
-            or past_length + query_length
-        mask = build_attention_mask(self.config._attn_implementation, attention_mask, query_positions, key_length)
+        cache_slots = max_cache_length(past_key_values) if past_key_values is not None else None
+        implementation = attention_implementation(self.config, output_attentions)
+        mask = build_attention_mask(
+            implementation, attention_mask, query_positions, cache_slots or past_length + query_length,
+            batch_size=inputs_embeds.shape[0], preallocated=cache_slots is not None, sequence_ids=sequence_ids,
+        )
+        # Keyword arguments the model does not read go to the attention kernel (attention backends pass theirs so).
+        kernel_kwargs = {name: value for name, value in kwargs.items() if name != "cache_position"}
+        if sequence_ids is not None and mask is None and implementation.startswith("flash"):
+            kernel_kwargs.update(flash_varlen_kwargs(sequence_ids, position_ids, inputs_embeds.shape[0]))
+        layer_inputs = LayerInputs(cos, sin, mask, query_positions[0], attention_function(implementation),
+                                   kernel_kwargs)
 
         hidden_states, all_hidden_states, all_attentions = self.encoder(
-            inputs_embeds, LayerInputs(cos, sin, mask, query_positions[0]), past_key_values,
+            inputs_embeds, layer_inputs, past_key_values,
             output_hidden_states=output_hidden_states, output_attentions=output_attentions,
         )
         if self.config.fp32_residual_connection:
@@ -1178,6 +1470,25 @@ def as_tuple(loss, logits, outputs) -> tuple:
     return tuple(v for v in values if v is not None)
 
 
+def check_targets(name: str, targets: Optional[torch.Tensor], logits: torch.Tensor, vocab_size: int, ignore_index: int):
+    """labels / shift_labels: integer ids [batch, sequence], one per logits position, each a token id of the
+    vocabulary or `ignore_index`. Values are read (one host sync) unless compiling: targets come with training
+    forwards, never with decode steps, and an id out of range would end in a CUDA device-side assert."""
+    if targets is None:
+        return
+    if not isinstance(targets, torch.Tensor) or targets.shape != logits.shape[:2] \
+            or targets.is_floating_point() or targets.dtype == torch.bool:
+        got = f"shape {list(targets.shape)}, dtype {targets.dtype}" if isinstance(targets, torch.Tensor) \
+            else repr(targets)
+        raise ValueError(f"{name} must be an integer tensor {list(logits.shape[:2])} (batch, sequence: one target "
+                         f"per position of the logits, also with logits_to_keep); got {got}.")
+    if not is_compiling():
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+        if bool(bad.any()):
+            raise ValueError(f"{name} holds {int(targets[bad][0])}, neither a token id in [0, {vocab_size}) nor "
+                             f"ignore_index ({ignore_index}): mark positions without a target with {ignore_index}.")
+
+
 def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor:
     """position_ids given to generate() cover the prompt (the GLM tokenizers return them); the tokens generated
     after it continue from the last prompt position. transformers before 5.x does not extend them itself."""
@@ -1188,6 +1499,8 @@ def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor
 
 class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, GenerationMixin):
     loss_type = "ForCausalLM"
+    _tied_weights_keys = tied_weights_keys("transformer.output_layer.weight",
+                                           "transformer.embedding.word_embeddings.weight")
     _auto_class = "AutoModelForCausalLM"  # see the compatibility layer
 
     def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
@@ -1217,14 +1530,19 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         logits_to_keep: Union[int, torch.Tensor] = 0,
         **loss_kwargs,  # the Trainer of 4.46-4.48 passes num_items_in_batch only to a `**loss_kwargs` by that name
     ):
-        """`labels` give the causal-LM loss in fp32 (-100 ignored); `num_items_in_batch` (from the Trainer) makes it a
-        sum divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of the last positions
-        only. Other keyword arguments (generate's `cache_position` before 5.x, say) are ignored."""
+        """`labels` give the causal-LM loss in fp32, as transformers' ForCausalLMLoss computes it: shifted left, or
+        `shift_labels` already shifted (sequence / context parallelism; the loss is computed from either);
+        `ignore_index` (-100) marks positions without a target; `num_items_in_batch` (from the Trainer) makes it a sum
+        divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of the last positions only.
+        Other keyword arguments go to the base model (and from there to the attention kernel)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        loss_args = {name: loss_kwargs.pop(name) for name in ("num_items_in_batch", "shift_labels", "ignore_index")
+                     if name in loss_kwargs}
         outputs = self.transformer(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            **loss_kwargs,
         )
         hidden_states = outputs.last_hidden_state
         if return_last_logit:
@@ -1239,14 +1557,8 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         logits = output_layer(device_boundary(hidden_states, execution_device(output_layer)))
 
         loss = None
-        if labels is not None:
-            num_items_in_batch = loss_kwargs.get("num_items_in_batch")
-            if isinstance(num_items_in_batch, torch.Tensor):
-                num_items_in_batch = device_boundary(num_items_in_batch, logits.device)
-            loss = causal_lm_loss(
-                logits, device_boundary(labels, logits.device), vocab_size=self.config.padded_vocab_size,
-                num_items_in_batch=num_items_in_batch,
-            )
+        if labels is not None or loss_args.get("shift_labels") is not None:
+            loss = self.lm_loss(logits, labels, **loss_args)
         if not return_dict:
             return as_tuple(loss, logits, outputs)
         return CausalLMOutputWithPast(
@@ -1255,6 +1567,20 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+        )
+
+    def lm_loss(self, logits, labels, shift_labels=None, ignore_index=-100, num_items_in_batch=None):
+        """transformers' causal-LM loss (compatibility layer), with the targets and the item count on the logits'
+        device."""
+        vocab_size = self.config.padded_vocab_size
+        for name, targets in (("labels", labels), ("shift_labels", shift_labels)):
+            check_targets(name, targets, logits, vocab_size, ignore_index)
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = device_boundary(num_items_in_batch, logits.device)
+        return causal_lm_loss(
+            logits, device_boundary(labels, logits.device), vocab_size=vocab_size,
+            num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+            shift_labels=device_boundary(shift_labels, logits.device),
         )
 
     def generate(self, inputs=None, **kwargs):
@@ -1340,6 +1666,7 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            **kwargs,
         )
         # Pooling on the device of the logits (the classifier's); labels follow.
         head_device = execution_device(self.classifier_head) or outputs.last_hidden_state.device

@@ -39,18 +39,32 @@ def test_num_items_in_batch_turns_the_mean_into_a_sum_over_that_count(tiny_model
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_gradient_checkpointing_gives_the_same_gradients(tiny_model, use_reentrant):
+def test_gradient_checkpointing_recomputes_each_block_and_gives_the_same_gradients(tiny_model, use_reentrant):
     ids, labels = batch(12)
-    grads = []
+    grads, block_calls = [], []
     for checkpointing in (False, True):
         model = tiny_model("glm4", hidden_dropout=0.0).train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-            assert model.transformer.encoder.gradient_checkpointing
+            assert all(layer.gradient_checkpointing for layer in model.transformer.encoder.layers)
+        calls = []
+        model.transformer.encoder.layers[1].input_layernorm.register_forward_pre_hook(lambda *_: calls.append(1))
         model(input_ids=ids, labels=labels).loss.backward()
+        block_calls.append(len(calls))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert block_calls == [1, 2]  # a checkpointed block runs again in the backward pass
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_blocks_are_transformers_gradient_checkpointing_layers_where_it_has_them(tiny_model):
+    model = tiny_model("chatglm3")
+    try:  # transformers >= 4.52
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        assert TRANSFORMERS < Version("4.52")
+        GradientCheckpointingLayer = type(model.transformer.encoder.layers[0]).__mro__[1]
+    assert all(isinstance(layer, GradientCheckpointingLayer) for layer in model.transformer.encoder.layers)
 
 
 def test_inputs_embeds_equal_input_ids(tiny_model):
