@@ -32,12 +32,12 @@ def reject_other_families(fields: dict):
     model_type = fields.get("model_type", ChatGLMConfig.model_type)
     foreign = [name for name in OTHER_FAMILY_FIELDS if name in fields]
     if model_type != ChatGLMConfig.model_type or foreign:
-        described = f"model_type {model_type!r}" if model_type != ChatGLMConfig.model_type else "another family"
         raise ValueError(
-            f"This config describes {described} (fields: {', '.join(foreign) or 'model_type'}), not ChatGLM2/3 or "
-            "GLM-4, whose config.json has num_layers, ffn_hidden_size, kv_channels, multi_query_group_num and "
-            "padded_vocab_size. Its auto_map points at ChatGLM's code by mistake: remove the auto_map entries and "
-            "load it with its own transformers class."
+            f"This config describes a model of model_type {model_type!r}"
+            + (f" (with {', '.join(foreign)}, which ChatGLM configs do not have)" if foreign else "")
+            + ", not ChatGLM2/3 or GLM-4, whose config.json has num_layers, ffn_hidden_size, kv_channels, "
+            "multi_query_group_num and padded_vocab_size. Its auto_map points at ChatGLM's code by mistake: remove "
+            "the auto_map entries and load it with its own transformers class."
         )
 
 
@@ -125,13 +125,7 @@ class ChatGLMConfig(PretrainedConfig):
     ):
         reject_other_families(kwargs)
         reject_rope_fields(kwargs, rope_ratio)
-        # GLM-4 configs carry both names; a disagreement would silently build the wrong depth.
-        num_hidden_layers = kwargs.pop("num_hidden_layers", None)
-        if num_hidden_layers is not None and num_hidden_layers != num_layers:
-            raise ValueError(
-                f"config.json says num_layers={num_layers} but num_hidden_layers={num_hidden_layers}; "
-                "they name the same thing: make them equal."
-            )
+        num_hidden_layers = kwargs.pop("num_hidden_layers", None)  # checked with the other fields below
         kwargs.pop("vocab_size", None)  # always equal to padded_vocab_size (see attribute_map)
         kwargs.setdefault("tie_word_embeddings", False)  # the output layer is its own weight in every checkpoint
 
@@ -165,6 +159,12 @@ class ChatGLMConfig(PretrainedConfig):
         self.use_cache = use_cache
         super().__init__(**kwargs)
         self.validate_chatglm()
+        # GLM-4 configs carry both names; a disagreement would silently build the wrong depth.
+        if num_hidden_layers is not None and num_hidden_layers != num_layers:
+            raise ValueError(
+                f"config.json says num_layers={num_layers} but num_hidden_layers={num_hidden_layers}; "
+                "they name the same thing: make them equal."
+            )
 
     @property
     def num_key_value_heads(self) -> int:

@@ -470,8 +470,8 @@ def check_loaded_weights(model: nn.Module, loading_info: dict, source):
     """Refuse a checkpoint that holds few of the model's weights (another family's keys, or first-generation
     ChatGLM-6B ones under a ChatGLM2/3 config): the model would otherwise run with random weights, with only
     transformers' load report saying so."""
-    missing = set(loading_info.get("missing_keys") or ())
-    expected = [name for name, _ in model.named_parameters()]
+    expected = set(model.state_dict())
+    missing = expected & set(loading_info.get("missing_keys") or ())
     if 2 * len(missing) <= len(expected):
         return
     found = sorted(loading_info.get("unexpected_keys") or ())
@@ -1011,12 +1011,16 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
 
 
 def cached_length(past_key_values, model, batch: int):
-    """Tokens held by `past_key_values` (an int; a tensor for static caches before 5.0), after checking its type and,
-    for a legacy tuple, its layout: one (key, value) pair per layer, each [batch, kv_heads, cached, head_dim]."""
+    """Tokens held by `past_key_values`, after checking its type and, for a legacy tuple, its layout: one (key, value)
+    pair per layer, each [batch, kv_heads, cached, head_dim]. An int, or a tensor where a static cache counts its
+    written slots on an accelerator (reading it would cost a host sync)."""
     if past_key_values is None:
         return 0
     if isinstance(past_key_values, Cache):
-        return past_key_values.get_seq_length()
+        length = past_key_values.get_seq_length()
+        if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_compiling():
+            return int(length)
+        return length
     sizes = model.encoder.layers[0].self_attention.sizes
     layers = len(model.encoder.layers)
     expected = (f"a transformers Cache (DynamicCache, StaticCache), or a tuple of {layers} (key, value) pairs, each "

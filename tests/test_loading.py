@@ -1,5 +1,6 @@
 """Loading: drop-in checkpoints, every real config, config validation, bad input, no import side effects."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TRANSFORMERS, Version, copy_code_into, load_causal_lm, shared_path
+from conftest import (REPO, TRANSFORMERS, Version, copy_code_into, load_causal_lm, save_checkpoint, shared_path,
+                      tiny_config_dict)
 
 REAL_CONFIGS = ("glm-4-9b-chat", "glm-4-9b-chat-1m", "glm-4-9b", "chatglm3-6b")
 ORIGINAL_AUTO_MAP = {
@@ -239,4 +241,193 @@ def test_configuration_class_lacking_a_field_names_the_file_to_copy(golden, tmp_
     del config["add_qkv_bias"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"add_qkv_bias.*configuration_chatglm\.py"):
+        load_causal_lm(folder)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config fields: types, other families, sizes, rotary fields
+# ---------------------------------------------------------------------------------------------------------------------
+
+STRING_VALUES = [("rope_ratio", "500"), ("num_layers", "28"), ("hidden_dropout", "0.0"), ("layernorm_epsilon", "1e-5"),
+                 ("rmsnorm", "false"), ("multi_query_attention", "true"), ("add_qkv_bias", "False"),
+                 ("use_cache", "true"), ("num_layers", 1e9), ("seq_length", 8192.0), ("post_layer_norm", 1),
+                 ("classifier_dropout", "0.1"), ("quantization_bit", "4")]
+
+
+@pytest.mark.parametrize("field,value", STRING_VALUES, ids=[f"{f}={v!r}" for f, v in STRING_VALUES])
+def test_config_field_of_the_wrong_type_names_the_field(chatglm, tmp_path, field, value):
+    """Numbers or booleans written as strings in config.json (or a float where an integer belongs) fail at load."""
+    fields = json.loads(shared_path("configs", "glm-4-9b-chat", "config.json").read_text())
+    fields[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=rf"ChatGLMConfig\.{field} must be .*got {re.escape(repr(value))}"):
+        chatglm.ChatGLMConfig.from_pretrained(tmp_path)
+
+
+def other_family_folder(tmp_path, config) -> "Path":
+    """A checkpoint folder of another family whose config.json points its auto_map at ChatGLM's code."""
+    fields = config.to_dict()
+    fields["auto_map"] = {k: v for k, v in ORIGINAL_AUTO_MAP.items() if k in ("AutoConfig", "AutoModelForCausalLM")}
+    folder = tmp_path / f"other_{config.model_type}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(fields))
+    return copy_code_into(folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_config_of_another_family_is_refused_before_building(tmp_path, family):
+    import transformers
+
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](
+        hidden_size=64, intermediate_size=96, num_hidden_layers=28, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256)
+    folder = other_family_folder(tmp_path, config)
+    with pytest.raises(ValueError, match=rf"model_type '{family}'.*not ChatGLM2/3 or GLM-4.*auto_map"):
+        transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    with pytest.raises(ValueError, match="auto_map"):
+        load_causal_lm(folder)
+
+
+def test_config_json_without_sizes_is_refused(chatglm, tmp_path):
+    """Without sizes the model would be the 6B default (25 GB in fp32) with none of the checkpoint's weights."""
+    fields = json.loads(shared_path("configs", "chatglm3-6b", "config.json").read_text())
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "kv_channels", "num_attention_heads",
+                 "padded_vocab_size"):
+        del fields[name]
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="config.json gives no num_layers, padded_vocab_size, hidden_size"):
+        chatglm.ChatGLMConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_sizes_that_cannot_fit_in_memory_are_refused_before_allocation(chatglm, device):
+    """num_layers 10**9 would hang building modules (or exhaust memory): refused from the sizes alone."""
+    config = chatglm.ChatGLMConfig(num_layers=10**9, hidden_size=64, ffn_hidden_size=96, kv_channels=16,
+                                   num_attention_heads=4, padded_vocab_size=256)
+    with pytest.raises(ValueError, match=r"num_layers \(1000000000\)"), torch.device(device):
+        chatglm.modeling.ChatGLMForConditionalGeneration(config)
+
+
+ROPE_FIELDS = [{"rope_scaling": {"type": "linear", "factor": 2.0}},
+               {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}},
+               {"rope_scaling": {"type": "bogus"}}, {"rope_theta": 5e6}, {"rope_parameters": {"rope_type": "default"}}]
+
+
+@pytest.mark.parametrize("fields", ROPE_FIELDS, ids=[next(iter(f)) + str(i) for i, f in enumerate(ROPE_FIELDS)])
+def test_rotary_fields_of_other_families_are_refused_naming_rope_ratio(chatglm, fields):
+    """ChatGLM's rotary base is 10000 * rope_ratio; rope_scaling / rope_theta were silently ignored (and yarn
+    crashed on 5.x with an AttributeError)."""
+    with pytest.raises(ValueError, match=rf"{next(iter(fields))}.*rope_ratio"):
+        chatglm.ChatGLMConfig(**fields)
+
+
+def test_rope_theta_equal_to_the_rope_ratio_base_is_accepted(chatglm):
+    config = chatglm.ChatGLMConfig(rope_ratio=500, rope_theta=5e6)
+    assert config.rope_ratio == 500
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The original configuration class beside our modeling file (a user may copy modeling_chatglm.py alone)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def original_config(family="glm4", **fields):
+    """A tiny config made by the original configuration class (tests/original_code.py), which checks nothing."""
+    namespace = {}
+    exec(original_configuration_source(family), namespace)
+    return namespace["ChatGLMConfig"](**{**tiny_config_dict(family), **fields})
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(num_layers="2"), "num_layers"), (dict(hidden_size=None), "hidden_size"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_ratio"), (dict(rope_theta=1e6), "rope_ratio"),
+    (dict(model_type="llama", num_key_value_heads=2, intermediate_size=96), "another model family"), (dict(num_layers=10**9), "GiB"),
+])
+def test_original_config_class_gets_the_model_building_checks(chatglm, fields, named):
+    with pytest.raises(ValueError, match=named):
+        chatglm.modeling.ChatGLMForConditionalGeneration(original_config(**fields))
+
+
+def test_original_config_class_builds_the_model(chatglm):
+    model = chatglm.modeling.ChatGLMForConditionalGeneration(original_config("chatglm3"))
+    assert len(model.transformer.encoder.layers) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Weight tying
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def is_tied(model) -> bool:
+    return model.transformer.output_layer.weight is model.transformer.embedding.word_embeddings.weight
+
+
+def test_tie_word_embeddings_ties_the_output_layer(tiny_model, chatglm, tmp_path):
+    config = tiny_model("glm4").config
+    config.tie_word_embeddings = True
+    model = chatglm.modeling.ChatGLMForConditionalGeneration(config).eval()
+    assert is_tied(model)
+    folder = save_checkpoint(model, tmp_path / "tied")
+    reloaded, info = load_causal_lm(folder, output_loading_info=True)
+    assert is_tied(reloaded) and not info["missing_keys"] and not info["unexpected_keys"]
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_tie_weights_after_setting_the_config(tiny_model):
+    model = tiny_model("chatglm3")
+    assert not is_tied(model)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    assert is_tied(model)
+
+
+def test_released_checkpoints_load_untied(golden, golden_model):
+    from safetensors.torch import load_file
+
+    saved = load_file(str(golden.folder / "model.safetensors"))
+    assert not is_tied(golden_model)
+    assert torch.equal(golden_model.transformer.output_layer.weight, saved["transformer.output_layer.weight"])
+    assert not torch.equal(saved["transformer.output_layer.weight"],
+                           saved["transformer.embedding.word_embeddings.weight"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A checkpoint of another family's weights
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def first_generation_state_dict(config):
+    """ChatGLM-6B (first generation) key names, for a ChatGLM2/3 config's sizes."""
+    state = {"transformer.word_embeddings.weight": torch.zeros(config.padded_vocab_size, config.hidden_size),
+             "transformer.final_layernorm.weight": torch.ones(config.hidden_size),
+             "lm_head.weight": torch.zeros(config.padded_vocab_size, config.hidden_size)}
+    for i in range(config.num_layers):
+        p = f"transformer.layers.{i}."
+        state.update({p + "input_layernorm.weight": torch.ones(config.hidden_size),
+                      p + "attention.query_key_value.weight": torch.zeros(3 * config.hidden_size, config.hidden_size),
+                      p + "attention.dense.weight": torch.zeros(config.hidden_size, config.hidden_size),
+                      p + "mlp.dense_h_to_4h.weight": torch.zeros(config.ffn_hidden_size, config.hidden_size),
+                      p + "mlp.dense_4h_to_h.weight": torch.zeros(config.hidden_size, config.ffn_hidden_size)})
+    return state
+
+
+@pytest.mark.parametrize("weights", ["llama", "chatglm-6b"])
+def test_checkpoint_with_another_familys_weights_is_refused_listing_keys(tiny_model, tmp_path, weights):
+    import transformers
+    from safetensors.torch import save_file
+
+    model = tiny_model("chatglm3")
+    folder = save_checkpoint(model, tmp_path / weights)
+    if weights == "llama":
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256))
+        state, found = llama.state_dict(), "model.embed_tokens.weight"
+    else:
+        state, found = first_generation_state_dict(model.config), "lm_head.weight"
+    (folder / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"holds 0 of the \d+ weights.*transformer\.embedding.*{re.escape(found)}"):
         load_causal_lm(folder)

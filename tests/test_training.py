@@ -38,6 +38,113 @@ def test_num_items_in_batch_turns_the_mean_into_a_sum_over_that_count(tiny_model
     torch.testing.assert_close(out.loss, manual_loss(out.logits, labels, "sum") / 40)
 
 
+def written_out_loss(logits, labels=None, ignore_index=-100, shift_labels=None, num_items_in_batch=None):
+    """The causal-LM loss by its definition: each position predicts the next label (or its shift_labels entry);
+    positions whose target is ignore_index do not count; the sum is divided by the targets counted, or by
+    num_items_in_batch."""
+    if shift_labels is None:
+        shift_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
+    targets = shift_labels.flatten()
+    counted = targets != ignore_index
+    per_position = F.cross_entropy(logits.float().flatten(0, 1)[counted], targets[counted], reduction="none")
+    return per_position.sum() / (counted.sum() if num_items_in_batch is None else num_items_in_batch)
+
+
+def loss_case(case, ids, labels):
+    """(labels, extra forward arguments) for one argument of transformers' causal-LM loss."""
+    g = torch.Generator().manual_seed(21)
+    if case == "shift_labels":  # already shifted, unrelated to labels: only they may count
+        shifted = torch.randint(3, 256, labels.shape, generator=g)
+        shifted[:, ::3] = -100
+        return labels, {"shift_labels": shifted}
+    if case == "ignore_index":
+        return labels.masked_fill(labels == -100, 7), {"ignore_index": 7}
+    if case == "num_items_in_batch":
+        return labels, {"num_items_in_batch": torch.tensor(40)}
+    return labels, {}
+
+
+def transformers_loss_takes(argument: str) -> bool:
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # before 4.46
+        return False
+    import inspect
+
+    return argument in inspect.signature(ForCausalLMLoss).parameters
+
+
+@pytest.mark.parametrize("case", ["shift_labels", "ignore_index", "num_items_in_batch"])
+def test_loss_arguments_change_the_loss_as_transformers_does(tiny_model, case):
+    model = tiny_model("glm4")
+    ids, plain_labels = batch(20)
+    labels, extra = loss_case(case, ids, plain_labels)
+    with torch.no_grad():
+        plain = model(input_ids=ids, labels=labels).loss
+        out = model(input_ids=ids, labels=labels, **extra)
+    assert not torch.allclose(out.loss, plain)  # the argument matters
+    torch.testing.assert_close(out.loss, written_out_loss(out.logits, labels, **extra))
+    name = next(iter(extra))
+    if transformers_loss_takes(name):  # transformers' own loss and GlmForCausalLM on the same weights (>= 4.46)
+        from native_glm import native_glm
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        torch.testing.assert_close(out.loss, ForCausalLMLoss(out.logits, labels, 256, **extra))
+        with torch.no_grad():
+            native = native_glm(model)(input_ids=ids, labels=labels, **extra).loss
+        torch.testing.assert_close(out.loss, native, atol=1e-5, rtol=1e-5)
+
+
+def test_shift_labels_alone_give_the_loss(tiny_model):
+    """Sequence parallelism hands each rank shift_labels (its shard, already shifted) and no labels."""
+    model = tiny_model("chatglm3")
+    ids, labels = batch(22)
+    _, extra = loss_case("shift_labels", ids, labels)
+    with torch.no_grad():
+        out = model(input_ids=ids, **extra)
+    torch.testing.assert_close(out.loss, written_out_loss(out.logits, **extra))
+
+
+def test_padding_free_trainer_loss_equals_the_padded_batch(tiny_model, tmp_path):
+    """DataCollatorWithFlattening packs a batch into one row with restarting position_ids; the Trainer's loss is the
+    loss of the same sequences padded."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(23)
+    sequences = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 11, 8)]
+    features = [{"input_ids": seq, "labels": seq} for seq in sequences]
+
+    def padded(batch_features):
+        """The same sequences right-padded, with the targets DataCollatorWithFlattening keeps (none for the first
+        token of a sequence, which no position predicts)."""
+        width = max(len(f["input_ids"]) for f in batch_features)
+        rows = [f["input_ids"] for f in batch_features]
+        return {
+            "input_ids": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
+            "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+            "labels": torch.tensor([[-100] + r[1:] + [-100] * (width - len(r)) for r in rows]),
+        }
+
+    losses, shapes = {}, []
+    for name, collator in (("flattened", DataCollatorWithFlattening()), ("padded", padded)):
+        model = tiny_model("glm4").train()
+        original_forward = model.forward
+
+        @functools.wraps(original_forward)
+        def spy(*args, **kwargs):
+            shapes.append((tuple(kwargs["input_ids"].shape), kwargs.get("position_ids")))
+            return original_forward(*args, **kwargs)
+
+        model.forward = spy
+        args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=3, max_steps=1,
+                                 report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no")
+        losses[name] = Trainer(model=model, args=args, train_dataset=features, data_collator=collator).train()
+    (flat_shape, flat_positions), (padded_shape, _) = shapes
+    assert flat_shape == (1, 24) and padded_shape == (3, 11)
+    assert sorted(flat_positions[0].tolist()) == sorted(sum([list(range(len(s))) for s in sequences], []))
+    assert losses["flattened"].training_loss == pytest.approx(losses["padded"].training_loss, rel=1e-5)
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_recomputes_each_block_and_gives_the_same_gradients(tiny_model, use_reentrant):
     ids, labels = batch(12)

@@ -1,0 +1,95 @@
+"""Inputs: every shape or dtype mistake a caller can make is a ValueError naming the argument and the shape it must
+have; the checks read no tensor value during a decode step."""
+import re
+
+import pytest
+import torch
+
+IDS = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+HIDDEN = 64  # tiny_model's hidden_size
+
+
+def embeds(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+# (forward arguments, the argument named, the expected shape the message gives)
+BAD_INPUTS = {
+    "ids 1-D": (dict(input_ids=IDS[0]), "input_ids", r"\[batch, sequence\]"),
+    "ids 3-D": (dict(input_ids=IDS[None]), "input_ids", r"\[batch, sequence\]"),
+    "ids float": (dict(input_ids=IDS.float()), "input_ids", "integer tensor"),
+    "no tokens": (dict(input_ids=IDS[:, :0]), "input_ids", r"no tokens \(shape \[2, 0\]\)"),
+    "no sequences": (dict(input_ids=IDS[:0]), "input_ids", "no tokens"),
+    "ids and embeds": (dict(input_ids=IDS, inputs_embeds=embeds(2, 7, HIDDEN)), "input_ids and inputs_embeds", ""),
+    "embeds hidden": (dict(inputs_embeds=embeds(2, 7, HIDDEN + 1)), "inputs_embeds", rf"\[batch, sequence, {HIDDEN}\]"),
+    "embeds 2-D": (dict(inputs_embeds=embeds(7, HIDDEN)), "inputs_embeds", rf"\[batch, sequence, {HIDDEN}\]"),
+    "embeds int": (dict(inputs_embeds=embeds(2, 7, HIDDEN, dtype=torch.long)), "inputs_embeds", "floating"),
+    "embeds empty": (dict(inputs_embeds=embeds(2, 0, HIDDEN)), "inputs_embeds", "no tokens"),
+    "mask width": (dict(input_ids=IDS, attention_mask=torch.ones(2, 6)), "attention_mask", r"\[2, 0 \+ 7\]"),
+    "mask batch": (dict(input_ids=IDS, attention_mask=torch.ones(1, 7)), "attention_mask", r"\[2, 0 \+ 7\]"),
+    "mask 1-D": (dict(input_ids=IDS, attention_mask=torch.ones(7)), "attention_mask", r"\[2, 0 \+ 7\]"),
+    "mask 3-D": (dict(input_ids=IDS, attention_mask=torch.ones(2, 7, 7)), "attention_mask", r"\[2, 0 \+ 7\]"),
+    "mask 4-D shape": (dict(input_ids=IDS, attention_mask=torch.ones(2, 1, 6, 7)), "attention_mask",
+                       r"\[2, 1, 7, 0 \+ 7\]"),
+    "mask 4-D int": (dict(input_ids=IDS, attention_mask=torch.ones(2, 1, 7, 7, dtype=torch.long)), "attention_mask",
+                     "bool"),
+    "mask list": (dict(input_ids=IDS, attention_mask=[[1] * 7] * 2), "attention_mask", r"\[2, 0 \+ 7\]"),
+    "positions length": (dict(input_ids=IDS, position_ids=torch.arange(6)[None]), "position_ids", r"\[2, 7\]"),
+    "positions 1-D": (dict(input_ids=IDS, position_ids=torch.arange(7)), "position_ids", r"\[2, 7\]"),
+    "positions float": (dict(input_ids=IDS, position_ids=torch.arange(7.0)[None]), "position_ids", "integer"),
+    "labels shape": (dict(input_ids=IDS, labels=IDS[:, :-1]), "labels", r"\[2, 7\]"),
+    "labels float": (dict(input_ids=IDS, labels=IDS.float()), "labels", r"integer tensor \[2, 7\]"),
+    "labels kept logits": (dict(input_ids=IDS, labels=IDS, logits_to_keep=1), "labels", r"\[2, 1\]"),
+    "labels value": (dict(input_ids=IDS, labels=IDS.masked_fill(IDS > 100, 300)), "labels", r"\[0, 256\)"),
+    "shift_labels shape": (dict(input_ids=IDS, shift_labels=IDS[:1]), "shift_labels", r"\[2, 7\]"),
+    "cache type": (dict(input_ids=IDS, past_key_values={"keys": IDS}), "past_key_values", "Cache"),
+    "cache layers": (dict(input_ids=IDS, past_key_values=((embeds(2, 2, 3, 16), embeds(2, 2, 3, 16)),)),
+                     "past_key_values", r"tuple of 3 \(key, value\) pairs, each \[2, 2, cached tokens, 16\]"),
+    "cache head_dim": (dict(input_ids=IDS, past_key_values=((embeds(2, 2, 3, 8), embeds(2, 2, 3, 8)),) * 3),
+                       "past_key_values", r"\[2, 2, cached tokens, 16\]"),
+    "cache batch": (dict(input_ids=IDS, past_key_values=((embeds(1, 2, 3, 16), embeds(1, 2, 3, 16)),) * 3),
+                    "past_key_values", r"\[2, 2, cached tokens, 16\]"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_raises_a_value_error_naming_the_argument_and_the_shape(tiny_model, case):
+    arguments, name, expected = BAD_INPUTS[case]
+    model = tiny_model("glm4")
+    with pytest.raises(ValueError, match=name) as error, torch.no_grad():
+        model(**arguments)
+    assert re.search(expected, str(error.value)), str(error.value)
+
+
+def test_a_full_static_cache_says_how_to_make_room(tiny_model):
+    from transformers import StaticCache
+    import inspect
+
+    model = tiny_model("chatglm3")
+    params = inspect.signature(StaticCache.__init__).parameters
+    extra = {k: v for k, v in (("max_batch_size", 2), ("device", "cpu"), ("dtype", torch.float32)) if k in params}
+    cache = StaticCache(config=model.config, max_cache_len=8, **extra)
+    with torch.no_grad():
+        model(input_ids=IDS[:, :6], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match=r"past_key_values is a static cache of 8 tokens.*max_cache_len"):
+            model(input_ids=IDS[:, :3], past_key_values=cache, use_cache=True)
+
+
+def test_a_decode_step_reads_no_tensor_value(tiny_model, chatglm):
+    """On an accelerator, reading a value (bool(), .item(), .tolist()) waits for the device. A decode step built from
+    meta tensors, which hold no values, runs through every check: none reads one."""
+    model = tiny_model("glm4")
+    with torch.device("meta"):
+        meta_model = chatglm.modeling.ChatGLMForConditionalGeneration(model.config).eval()
+    cache = chatglm.modeling.new_dynamic_cache(model.config)
+    for layer in range(model.config.num_layers):
+        cache.update(torch.zeros(2, 2, 5, 16, device="meta"), torch.zeros(2, 2, 5, 16, device="meta"), layer)
+    with torch.no_grad():
+        out = meta_model(input_ids=torch.zeros(2, 1, dtype=torch.long, device="meta"),
+                         attention_mask=torch.ones(2, 6, dtype=torch.long, device="meta"),
+                         position_ids=torch.zeros(2, 1, dtype=torch.long, device="meta"),
+                         past_key_values=cache, use_cache=True)
+    assert out.logits.shape == (2, 1, 256) and out.past_key_values.get_seq_length() == 6
+    with pytest.raises(ValueError, match=r"attention_mask must be .*\[2, 6 \+ 1\]"):  # the checks did run
+        meta_model(input_ids=torch.zeros(2, 1, dtype=torch.long, device="meta"),
+                   attention_mask=torch.ones(2, 5, dtype=torch.long, device="meta"), past_key_values=cache)
