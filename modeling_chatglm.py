@@ -471,7 +471,9 @@ def check_loaded_weights(model: nn.Module, loading_info: dict, source):
     ChatGLM-6B ones under a ChatGLM2/3 config): the model would otherwise run with random weights, with only
     transformers' load report saying so."""
     expected = set(model.state_dict())
-    missing = expected & set(loading_info.get("missing_keys") or ())
+    # transformers 4.44 reports them without the "transformer." prefix when no checkpoint key has it.
+    prefixed = {f"{model.base_model_prefix}.{key}" for key in loading_info.get("missing_keys") or ()}
+    missing = expected & (set(loading_info.get("missing_keys") or ()) | prefixed)
     if 2 * len(missing) <= len(expected):
         return
     found = sorted(loading_info.get("unexpected_keys") or ())

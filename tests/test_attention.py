@@ -193,14 +193,16 @@ def test_cached_steps_equal_the_full_forward_with_or_without_a_mask(tiny_model, 
 
 
 @needs_registry
-def test_static_cache_step_hands_flash_kernels_the_written_slots_only(tiny_model, flash_kernel):
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_static_cache_step_hands_flash_kernels_the_written_slots_only(tiny_model, flash_kernel, with_mask):
     model = use_kernel(tiny_model("chatglm3"), flash_kernel)
-    ids = random_ids(1, 8, seed=5)
+    ids = random_ids(2, 8, seed=5)
+    mask = (lambda n: {"attention_mask": torch.ones(2, n, dtype=torch.long)}) if with_mask else (lambda n: {})
     with torch.no_grad():
         full = model(input_ids=ids).logits
-        cache = make_cache(model, "static", 1, 12)
-        first = model(input_ids=ids[:, :7], past_key_values=cache, use_cache=True)
-        step = model(input_ids=ids[:, 7:], past_key_values=first.past_key_values, use_cache=True)
+        cache = make_cache(model, "static", 2, 12)
+        first = model(input_ids=ids[:, :7], past_key_values=cache, use_cache=True, **mask(7))
+        step = model(input_ids=ids[:, 7:], past_key_values=first.past_key_values, use_cache=True, **mask(8))
     torch.testing.assert_close(torch.cat([first.logits, step.logits], 1), full, atol=1e-5, rtol=1e-5)
 
 
