@@ -1026,14 +1026,15 @@ def cached_length(past_key_values, model, batch: int):
     sizes = model.encoder.layers[0].self_attention.sizes
     layers = len(model.encoder.layers)
     expected = (f"a transformers Cache (DynamicCache, StaticCache), or a tuple of {layers} (key, value) pairs, each "
-                f"[{batch}, {sizes.num_kv_heads}, cached tokens, {sizes.head_dim}]")
+                f"a floating tensor [{batch}, {sizes.num_kv_heads}, cached tokens, {sizes.head_dim}]")
     if not isinstance(past_key_values, (tuple, list)) or len(past_key_values) != layers:
         got = f"a {type(past_key_values).__name__}" + (f" of {len(past_key_values)}"
                                                        if isinstance(past_key_values, (tuple, list)) else "")
         raise ValueError(f"past_key_values must be {expected}; got {got}.")
     first = past_key_values[0][0] if len(past_key_values[0]) == 2 else None
     for pair in past_key_values:
-        if len(pair) != 2 or any(not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != sizes.num_kv_heads
+        if len(pair) != 2 or any(not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point()
+                                 or t.shape[1] != sizes.num_kv_heads
                                  or t.shape[3] != sizes.head_dim or t.shape[0] != batch
                                  or t.shape[:3] != first.shape[:3] for t in pair):
             shapes = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]

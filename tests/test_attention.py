@@ -66,6 +66,15 @@ def flash_kernel():
     return "flash_semantics"
 
 
+def kernel_under_test(attn, request) -> str:
+    """A test's kernel parameter: "flash" stands for the flash_semantics kernel (the registry is needed)."""
+    if attn != "flash":
+        return attn
+    if ALL_ATTENTION_FUNCTIONS is None:
+        pytest.skip("no flash kernels before transformers 4.48")
+    return request.getfixturevalue("flash_kernel")
+
+
 def use_kernel(model, name):
     model.config._attn_implementation = name
     return model
@@ -78,10 +87,7 @@ def use_kernel(model, name):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "flash"])
 def test_output_attentions_returns_the_weights_whatever_the_kernel(tiny_model, attn, request, caplog):
-    if attn == "flash":
-        if ALL_ATTENTION_FUNCTIONS is None:
-            pytest.skip("no flash kernels before transformers 4.48")
-        attn = request.getfixturevalue("flash_kernel")
+    attn = kernel_under_test(attn, request)
     reference = tiny_model("glm4", attn_implementation="eager")
     model = use_kernel(tiny_model("glm4"), attn)
     ids = random_ids(2, 6, seed=1)
@@ -121,10 +127,7 @@ def packed_batch(lengths_per_row, seed):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "flash"])
 def test_packed_rows_attend_only_within_each_sequence(tiny_model, family, attn, request):
-    if attn == "flash":
-        if ALL_ATTENTION_FUNCTIONS is None:
-            pytest.skip("no flash kernels before transformers 4.48")
-        attn = request.getfixturevalue("flash_kernel")
+    attn = kernel_under_test(attn, request)
     model = use_kernel(tiny_model(family), attn)
     ids, positions, rows = packed_batch([[5, 9, 3], [4, 4, 9]], seed=2)
     with torch.no_grad():
