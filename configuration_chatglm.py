@@ -15,7 +15,8 @@ FIRST_GENERATION_FIELDS = ("position_encoding_2d", "inner_hidden_size", "gmask_t
 # auto_map points at this code by mistake.
 OTHER_FAMILY_FIELDS = ("num_key_value_heads", "intermediate_size", "head_dim")
 # The sizes a checkpoint's config.json must give: without them the model would be the 6B default.
-SIZE_FIELDS = ("num_layers", "padded_vocab_size", "hidden_size", "ffn_hidden_size", "kv_channels", "num_attention_heads")
+SIZE_FIELDS = ("num_layers", "padded_vocab_size", "hidden_size", "ffn_hidden_size", "kv_channels",
+               "num_attention_heads")
 ROPE_RATIO_HINT = (
     "ChatGLM/GLM-4 rotate with the base 10000 * rope_ratio and have no other rotary scaling (glm-4-9b-chat uses "
     "rope_ratio 500, glm-4-9b-chat-1m 10000): set rope_ratio instead"

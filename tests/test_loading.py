@@ -341,7 +341,8 @@ def original_config(family="glm4", **fields):
 @pytest.mark.parametrize("fields,named", [
     (dict(num_layers="2"), "num_layers"), (dict(hidden_size=None), "hidden_size"),
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_ratio"), (dict(rope_theta=1e6), "rope_ratio"),
-    (dict(model_type="llama", num_key_value_heads=2, intermediate_size=96), "another model family"), (dict(num_layers=10**9), "GiB"),
+    (dict(model_type="llama", num_key_value_heads=2, intermediate_size=96), "another model family"),
+    (dict(num_layers=10**9), "GiB"),
 ])
 def test_original_config_class_gets_the_model_building_checks(chatglm, fields, named):
     with pytest.raises(ValueError, match=named):
@@ -428,6 +429,7 @@ def test_checkpoint_with_another_familys_weights_is_refused_listing_keys(tiny_mo
     else:
         state, found = first_generation_state_dict(model.config), "lm_head.weight"
     (folder / "model.safetensors").unlink()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"holds 0 of the \d+ weights.*transformer\.embedding.*{re.escape(found)}"):
         load_causal_lm(folder)
