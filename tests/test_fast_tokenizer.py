@@ -446,3 +446,19 @@ def test_tokenizer_json_merges_are_readable_by_every_supported_tokenizers_releas
     reloaded = Tokenizer.from_str(json.dumps(content))
     text = "ChatGLM3 的分词器 isopropyl sop\n  x"
     assert reloaded.encode(text).ids == tokenizer.encode(text).ids
+
+
+def test_the_converter_under_its_former_name_runs_as_a_user_runs_it(quick_converter, tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "chatglm3"
+    folder.mkdir()
+    for path in conftest.shared_path("tokenizers", "chatglm3-6b").iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    script = conftest.REPO / "tools" / "convert_glm4_tokenizer_to_fast.py"
+    result = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "--revert" in result.stdout, result.stderr[-2000:]
+    model = folder / "tokenizer.model"
+    expected = quick_converter.tokenizer_json(quick_converter.build_fast_tokenizer(model))
+    assert (folder / "tokenizer.json").read_bytes() == expected

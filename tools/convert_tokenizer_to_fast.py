@@ -27,7 +27,6 @@ puts it back. Exit codes: 0 done, 1 failed with the folder unchanged, 2 refused.
 """
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -35,7 +34,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from folder_transaction import (
-    REPO, Failed, Refused, check_target_folder, folder_lock, plan_update, read_manifest, recover, run_plan,
+    REPO, Failed, Refused, check_target_folder, command, folder_lock, plan_update, read_manifest, recover, report,
+    run_plan,
 )
 
 sys.path.insert(0, str(REPO))
@@ -44,6 +44,7 @@ from tokenization_chatglm import (  # noqa: E402
 )
 
 TOOL = "convert_tokenizer_to_fast.py"
+FAMILY_NAMES = {"glm4": "GLM-4", "chatglm3": "ChatGLM3"}
 _TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+\r?\n")
 
 
@@ -180,6 +181,7 @@ def tokenizer_json(tokenizer: Tokenizer) -> bytes:
 def convert(model_path: Path, output: Path, force: bool) -> int:
     folder = output.parent
     try:
+        family = family_of(model_path)
         data = tokenizer_json(build_fast_tokenizer(model_path))
     except ValueError as error:  # a damaged or foreign tokenizer.model; the message names the file
         raise Refused(str(error)) from None
@@ -192,10 +194,8 @@ def convert(model_path: Path, output: Path, force: bool) -> int:
             print(f"{output} is already this conversion of {model_path}; nothing changed.")
             return 0
         warning = run_plan(folder, "tokenizer conversion", plan)
-    print(f"wrote {output} ({family_of(model_path)}): {plan.lines[0]}")
-    if warning:
-        print(f"warning: {warning}")
-    print(f"undo with: python {Path(__file__).resolve()} {model_path} -o {output} --revert")
+    report(f"wrote the {FAMILY_NAMES[family]} fast tokenizer to {output}", plan.lines, warning)
+    print(f"undo with: {command(__file__, model_path, '-o', output, '--revert')}")
     return 0
 
 
@@ -206,13 +206,11 @@ def revert(output: Path, force: bool) -> int:
         finish_interrupted_run(folder)
         record = read_manifest(folder)["files"].get(output.name)
         if record is None or record["tool"] != TOOL:
-            print(f"nothing to revert: {output} was not written by this tool (its folder's manifest says so).")
+            print(f"nothing to revert: the manifest of {folder} records no {output.name} written by this tool.")
             return 0
         plan = plan_update(folder, {}, [output.name], TOOL, force)
         warning = run_plan(folder, "tokenizer revert", plan)
-    print(f"reverted {output}: {plan.lines[0]}")
-    if warning:
-        print(f"warning: {warning}")
+    report(f"reverted {output}", plan.lines, warning)
     return 0
 
 

@@ -27,7 +27,6 @@ import stat
 import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -37,6 +36,8 @@ ORIGINALS = "chatglm_fork_originals"
 TRANSACTION = ".chatglm_fork_transaction"
 JOURNAL, COMMITTED = "journal.json", "committed.json"
 MANIFEST_FORMAT = 1
+RECORD_KEYS = {"sha256", "tool", "version", "original"}
+ORIGINAL_KINDS = ("absent", "file", "link")
 CHUNK = 1 << 20
 
 
@@ -247,8 +248,8 @@ def apply_changes(folder: Path, operation: str, changes: List[Tuple[str, Entry]]
             _undo(folder)
         except Exception as undo_error:
             raise Failed(f"{operation} failed ({_describe(error)}) and undoing it failed too "
-                         f"({_describe(undo_error)}): the next run of this tool (or --status) finishes undoing it "
-                         f"from {transaction}/") from None
+                         f"({_describe(undo_error)}): the next run of the fork's tools on this folder finishes "
+                         f"undoing it from {transaction}/") from None
         raise
     try:
         DISK.rmtree(transaction)
@@ -301,6 +302,24 @@ def _describe(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+def command(script: str, *args) -> str:
+    """How to run a tool again, e.g. to undo what it did: its path relative to the working folder when it is below."""
+    path = Path(script).resolve()
+    try:
+        path = path.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return " ".join(["python", str(path), *map(str, args)])
+
+
+def report(headline: str, lines: Iterable[str], warning: Optional[str] = None) -> None:
+    print(f"{headline}:")
+    for line in lines:
+        print(f"  {line}")
+    if warning:
+        print(f"warning: {warning}")
+
+
 def check_target_folder(folder: Path) -> None:
     """Refused unless `folder` is an existing folder, and not a checkout of this repository (whose own code the
     installer would otherwise move aside)."""
@@ -344,7 +363,10 @@ def read_manifest(folder: Path) -> dict:
         manifest = json.loads(DISK.read(path))
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), dict):
             raise ValueError(f"expected format {MANIFEST_FORMAT} with a 'files' table")
-    except (ValueError, AttributeError) as error:
+        for name, record in manifest["files"].items():
+            if not RECORD_KEYS <= set(record) or record["original"].get("kind") not in ORIGINAL_KINDS:
+                raise ValueError(f"the record of {name} lacks {', '.join(sorted(RECORD_KEYS))} or original.kind")
+    except (ValueError, AttributeError, TypeError) as error:
         raise Refused(f"{path} is damaged ({error}): it records what the fork's tools changed here. Restore it "
                       "from a copy, or delete it together with the files it lists to start over.") from None
     return manifest
@@ -361,13 +383,11 @@ def original_record(found: Found, name: str) -> dict:
     raise Refused(f"{name} is a {found.kind}, not a file: move it away and run again")
 
 
-def _check_unchanged(folder: Path, name: str, record: dict, force: bool) -> None:
-    found = look(folder / name)
-    if found.kind == "file" and sha256(found.data) == record["sha256"]:
+def _check_unchanged(path: Path, found: Found, record: dict, force: bool) -> None:
+    if force or (found.kind == "file" and sha256(found.data) == record["sha256"]):
         return
-    if not force:
-        raise Refused(f"{folder / name} was changed since the fork's tools wrote it (it is not the file the manifest "
-                      "records). Keep a copy of it if you need it, then run again with --force to replace it.")
+    raise Refused(f"{path} was changed since the fork's tools wrote it (it is not the file the manifest records). "
+                  "Keep a copy of it if you need it, then run again with --force to replace it.")
 
 
 def _restored_entry(folder: Path, name: str, original: dict) -> Tuple[Entry, str]:
@@ -408,15 +428,15 @@ def plan_update(folder: Path, writes: Dict[str, bytes], restores: Iterable[str],
     new_copies, dropped_copies = {}, []
     version = fork_version()
     for name, data in writes.items():
-        record = files.get(name)
+        record, found = files.get(name), look(folder / name)
         if record is not None:
-            _check_unchanged(folder, name, record, force)
-            if record["sha256"] == sha256(data):
+            _check_unchanged(folder / name, found, record, force)
+            current = sha256(found.data) if found.kind == "file" else None
+            if record["sha256"] == sha256(data) == current:
                 plan.lines.append(f"{name}: unchanged")
                 continue
             original, what = record["original"], "updated"
         else:
-            found = look(folder / name)
             original = original_record(found, name)
             if found.data is not None:
                 new_copies[name] = Entry("file", found.data, found.mode, found.mtime_ns)
@@ -429,7 +449,7 @@ def plan_update(folder: Path, writes: Dict[str, bytes], restores: Iterable[str],
                        "original": original}
     for name in restores:
         record = files.pop(name)
-        _check_unchanged(folder, name, record, force)
+        _check_unchanged(folder / name, look(folder / name), record, force)
         entry, what = _restored_entry(folder, name, record["original"])
         plan.changes.append((name, entry))
         plan.lines.append(f"{name}: {what}")

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 from folder_transaction import (
-    MANIFEST, ORIGINALS, REPO, TRANSACTION, Failed, Refused, check_target_folder, folder_lock, fork_version, look,
-    plan_update, read_manifest, recover, run_plan, sha256,
+    MANIFEST, ORIGINALS, REPO, TRANSACTION, Failed, Refused, check_target_folder, command, folder_lock, fork_version,
+    look, plan_update, read_manifest, recover, report, run_plan, sha256,
 )
 
 # The files a user copies over a downloaded checkpoint (the demo and the tests read this list too). A companion
@@ -126,24 +126,16 @@ def refuse_unrecorded_legacy_install(folder: Path) -> None:
 # Install, revert, status
 # ---------------------------------------------------------------------------------------------------------------------
 
-def script() -> str:
-    path = Path(__file__).resolve()
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
 def installed_versions(manifest: dict, tool: str = TOOL) -> str:
     versions = sorted({record["version"] for record in manifest["files"].values() if record["tool"] == tool})
     return ", ".join(versions) or "none"
 
 
-def report(lines, warning=None) -> None:
-    for line in lines:
-        print(f"  {line}")
-    if warning:
-        print(f"warning: {warning}")
+def carry_out(folder: Path, operation: str, plan, done: str, dry_run: bool) -> None:
+    if dry_run:
+        report(f"dry run, nothing changed; the {operation} would do", plan.lines)
+    else:
+        report(done, plan.lines, run_plan(folder, operation, plan))
 
 
 def install(folder: Path, source: Path = REPO, names=CODE_FILES, force: bool = False, dry_run: bool = False) -> int:
@@ -158,14 +150,9 @@ def install(folder: Path, source: Path = REPO, names=CODE_FILES, force: bool = F
         print(f"the fork ({installed_versions(manifest)}) is already installed in {folder}: its code files are "
               "this checkout's; nothing changed.")
         return 0
-    if dry_run:
-        print(f"dry run, nothing changed; installing {fork_version()} into {folder} would do:")
-        report(plan.lines)
-        return 0
-    warning = run_plan(folder, "install", plan)
-    print(f"installed the fork {fork_version()} into {folder}:")
-    report(plan.lines, warning)
-    print(f"undo with: python {script()} --revert {folder}")
+    carry_out(folder, "install", plan, f"installed the fork {fork_version()} into {folder}", dry_run)
+    if not dry_run:
+        print(f"undo with: {command(__file__, '--revert', folder)}")
     return 0
 
 
@@ -178,41 +165,40 @@ def revert(folder: Path, force: bool = False, dry_run: bool = False) -> int:
         print(f"nothing to revert: the fork's tools have recorded no change in {folder}{hint}.")
         return 0
     plan = plan_update(folder, {}, list(manifest["files"]), TOOL, force)
-    if dry_run:
-        print(f"dry run, nothing changed; reverting {folder} would do:")
-        report(plan.lines)
-        return 0
-    warning = run_plan(folder, "revert", plan)
-    print(f"reverted {folder} to the files it had before the fork's tools changed it:")
-    report(plan.lines, warning)
+    carry_out(folder, "revert", plan, f"reverted {folder} to the files it had before the fork's tools changed it",
+              dry_run)
     return 0
 
 
 def status(folder: Path, source: Path = REPO, names=CODE_FILES) -> int:
-    manifest = read_manifest(folder)
-    files = manifest["files"]
+    files = read_manifest(folder)["files"]
     if not files:
         check_checkpoint(folder)
+    if not any(record["tool"] == TOOL for record in files.values()):
         own = [name for name in names if (folder / name).exists()]
-        print(f"{folder}: the fork is not installed; the checkpoint's own code files: {', '.join(own) or 'none'}.")
+        print(f"{folder}: the fork's code is not installed; the checkpoint's own code files: {', '.join(own) or 'none'}.")
         for name in legacy_backups(folder):
             print(f"  {name}/ is a backup made by an earlier version of this tool (no manifest)")
-        return 0
-    print(f"{folder}: files written by the fork's tools ({MANIFEST}):")
-    for name, record in files.items():
-        found = look(folder / name)
-        state = "as installed" if found.kind == "file" and sha256(found.data) == record["sha256"] \
-            else "CHANGED since it was written"
-        original = record["original"]
-        before = {"absent": "nothing (added)", "file": f"a file (copy in {ORIGINALS}/)",
-                  "link": f"a link to {original.get('target')} (copy in {ORIGINALS}/)"}[original["kind"]]
-        print(f"  {name}: {record['version']}, by {record['tool']}, {state}; before: {before}")
-    stale = [name for name in names if (source / name).is_file()
-             and files.get(name, {}).get("sha256") != sha256((source / name).read_bytes())]
-    if stale:
-        print(f"this checkout ({fork_version()}) has other {', '.join(stale)}: run the install again to update.")
-    print(f"undo everything with: python {script()} --revert {folder}")
+    else:
+        stale = [name for name in names if (source / name).is_file()
+                 and files.get(name, {}).get("sha256") != sha256((source / name).read_bytes())]
+        if stale:
+            print(f"this checkout ({fork_version()}) has other {', '.join(stale)}: run the install again to update.")
+    if files:
+        report(f"{folder}: files written by the fork's tools ({MANIFEST})",
+               [describe_record(folder, name, record) for name, record in files.items()])
+        print(f"undo everything with: {command(__file__, '--revert', folder)}")
     return 0
+
+
+def describe_record(folder: Path, name: str, record: dict) -> str:
+    found = look(folder / name)
+    state = "as written" if found.kind == "file" and sha256(found.data) == record["sha256"] \
+        else "CHANGED since it was written"
+    original = record["original"]
+    before = {"absent": "nothing (added)", "file": f"a file (copy in {ORIGINALS}/)",
+              "link": f"a link to {original.get('target')} (copy in {ORIGINALS}/)"}[original["kind"]]
+    return f"{name}: {record['version']}, by {record['tool']}, {state}; before: {before}"
 
 
 def main(argv=None) -> int:
@@ -246,6 +232,10 @@ def main(argv=None) -> int:
         return 1
     except OSError as error:  # reading the folder (permissions, a vanished file): nothing was changed yet
         print(f"error: {error.strerror or error} ({error.filename}); nothing was changed in {folder}.", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"error: interrupted; a change that had not completed was undone (--status says what is installed "
+              f"in {folder})", file=sys.stderr)
         return 1
 
 
