@@ -307,7 +307,7 @@ def test_a_permission_error_at_any_step_leaves_the_folder_as_it_was(operation_fo
             assert code == 1 and "Permission denied" in err and no_traceback(out, err), where
             assert folder_state(folder) == before and not os.path.lexists(folder / TRANSACTION), where
         else:  # after the commit only the clean-up failed: done, and the next run removes the leftover
-            assert code == 0 and "warning: could not remove" in out, where
+            assert code == 0 and "warning:" in out, where
             assert folder_state(folder, times=False) == result, where
             assert tool(["--status", folder])[0] == 0 and not os.path.lexists(folder / TRANSACTION)
             assert folder_state(folder, times=False) == result, where

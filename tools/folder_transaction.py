@@ -253,9 +253,12 @@ def apply_changes(folder: Path, operation: str, changes: List[Tuple[str, Entry]]
         raise
     try:
         DISK.rmtree(transaction)
-        DISK.sync_dir(folder)
     except OSError as error:
         return f"could not remove {transaction} ({_describe(error)}); the next run of the tool removes it"
+    try:
+        DISK.sync_dir(folder)
+    except OSError as error:
+        return f"the change is made, but flushing {folder} to disk failed ({_describe(error)})"
     return None
 
 
