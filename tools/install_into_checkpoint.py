@@ -95,7 +95,8 @@ def check_checkpoint(folder: Path) -> dict:
     if model_type != "chatglm":
         hint = " It is supported by transformers itself: load it without trust_remote_code." \
             if model_type in ("glm", "glm4") else ""
-        raise Refused(f"{folder} is a {model_type!r} checkpoint, not ChatGLM2/3 or GLM-4.{hint}")
+        what = f"is a {model_type!r} checkpoint" if model_type else "has a config.json without model_type"
+        raise Refused(f"{folder} {what}, not ChatGLM2/3 or GLM-4.{hint}")
     found = [name for name in first_generation_fields() if name in config]
     keys = weight_keys(folder)
     if found or (keys and FAMILY_KEY not in keys):
