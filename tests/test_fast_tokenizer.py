@@ -2,8 +2,8 @@
 tokenizers, the originals' reference vectors, every vocabulary entry and the real text of the shared data; and the
 converter's file discipline (atomic, never through a link, the old file kept and revertible).
 
-The fast tokenizer is transformers' stock PreTrainedTokenizerFast: it parses special-token text by default (as the
-original did) and keeps it as text with `split_special_tokens=True` (our slow tokenizer's default).
+The fast tokenizer is transformers' stock PreTrainedTokenizerFast: like the slow tokenizers it parses special-token
+text by default and keeps it as text with `split_special_tokens=True`.
 """
 import base64
 import functools
@@ -181,7 +181,7 @@ TEXT = st.lists(
 def test_fast_equals_slow_property(glm4_fast_tokenizer, glm4_tokenizer, text):
     fast, slow = glm4_fast_tokenizer, glm4_tokenizer
     as_text = fast.encode(text, split_special_tokens=True)
-    assert as_text == slow.encode(text)
+    assert as_text == slow.encode(text, split_special_tokens=True)
     parsed = fast.encode(text, add_special_tokens=False)
     assert parsed == slow.encode(text, add_special_tokens=False, split_special_tokens=False)
     assert fast.decode(parsed) == text and fast.decode(as_text, skip_special_tokens=True) == text
@@ -342,19 +342,19 @@ def test_chatglm3_fast_matches_the_reference_vectors_and_the_slow_tokenizer(chat
             assert fast.encode(text, add_special_tokens=False) == slow.encode(
                 text, add_special_tokens=False, split_special_tokens=False), record["id"]
         assert fast.decode(record["sp_encode_ids"]) == slow.decode(record["sp_encode_ids"]) == text
-        ids = slow.encode(text)
+        ids = slow.encode(text, split_special_tokens=True)
         assert fast.decode(ids, skip_special_tokens=True) == slow.decode(ids, skip_special_tokens=True) == text
     sp = slow.tokenizer
     assert fast.encode("a </s> b", add_special_tokens=False) == sp.encode("a ") + [2] + sp.encode(" b")
     for record in of_kind(chatglm3_records, "batch"):
         side = "right" if record["padding_side"] == "right" else "left"
         outputs = []
-        for tokenizer, kwargs in ((fast, {"split_special_tokens": True}), (slow, {})):
+        for tokenizer in (fast, slow):
             saved = tokenizer.padding_side, tokenizer.truncation_side
             tokenizer.padding_side = side  # transformers < 4.46 has no padding_side call argument
             tokenizer.truncation_side = record.get("truncation_side", tokenizer.truncation_side)
             try:
-                outputs.append(tokenizer(record["texts"], **kwargs, **record["call_kwargs"]))
+                outputs.append(tokenizer(record["texts"], split_special_tokens=True, **record["call_kwargs"]))
             finally:
                 tokenizer.padding_side, tokenizer.truncation_side = saved
         got, want = outputs
@@ -362,7 +362,7 @@ def test_chatglm3_fast_matches_the_reference_vectors_and_the_slow_tokenizer(chat
         assert got.get("attention_mask") == want.get("attention_mask"), record["id"]
     for record in of_kind(chatglm3_records, "pair"):
         assert fast(record["text"], record["text_pair"], split_special_tokens=True)["input_ids"] == \
-            slow(record["text"], record["text_pair"])["input_ids"]
+            slow(record["text"], record["text_pair"], split_special_tokens=True)["input_ids"]
 
 
 def test_chatglm3_fast_equals_slow_on_real_text(chatglm3_fast_tokenizer, chatglm3_tokenizer, real_texts):
