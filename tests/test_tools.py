@@ -1,35 +1,89 @@
-"""User tools and the demo, run as a user runs them."""
+"""User tools and the demo, run as a user runs them; the installer also with faults injected (tests/tool_faults.py).
+
+Every installer test compares the folder's exact state (each entry's kind, bytes, mode, modification time, link
+target) with the state before, or with the result of a run without faults.
+"""
+import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
+import pytest
 import torch
-from conftest import REPO, load_causal_lm, shared_path
+from conftest import CODE_FILES, REPO, load_causal_lm, shared_path
+
+import install_into_checkpoint as installer
+from folder_transaction import JOURNAL, MANIFEST, ORIGINALS, TRANSACTION, fork_version
+from tool_faults import (
+    ORIGINAL_CODE, FaultyDisk, byte_budgets, checkpoint_files, dangling_links, folder_state, hub_cache, run_tool,
+    tiny_safetensors, write_checkpoint,
+)
 
 INSTALL = [sys.executable, str(REPO / "tools" / "install_into_checkpoint.py")]
+FAULTS = [sys.executable, str(REPO / "tests" / "tool_faults.py")]
+ORIGINAL_NAMES = [name for name in CODE_FILES if name in ORIGINAL_CODE]  # the code files a checkpoint ships
 
 
-def downloaded_checkpoint(tmp_path, name="glm4-chat-tiny", folder_name="downloaded_glm4"):
-    """A golden checkpoint as a user has it: the original's .py files beside the weights."""
-    folder = tmp_path / folder_name
-    shutil.copytree(shared_path("golden", name, "checkpoint"), folder)
+def install_cli(*args):
+    return subprocess.run(INSTALL + [str(arg) for arg in args], capture_output=True, text=True, timeout=300)
+
+
+def tool(args, disk=None):
+    return run_tool(installer.main, args, disk)
+
+
+def folder_state_of(state):
+    """A state without modification times (as folder_state(..., times=False) returns it)."""
+    return {name: entry[:3] if entry[0] == "file" else entry for name, entry in state.items()}
+
+
+def no_traceback(*outputs):
+    return all("Traceback" not in output for output in outputs)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_bytes():
+    return checkpoint_files(shared_path("golden", "glm4-chat-tiny", "checkpoint", "config.json"))
+
+
+@pytest.fixture
+def new_checkpoint(tmp_path, checkpoint_bytes):
+    """new_checkpoint() -> a fresh folder of a small GLM-4 checkpoint with its original code files."""
+    counter = itertools.count()
+    return lambda: write_checkpoint(tmp_path / f"checkpoint{next(counter)}", checkpoint_bytes)
+
+
+def assert_installed(folder, originals: dict):
+    """The fork's code files are in the folder as real files, and each replaced original is kept, byte for byte."""
+    for name in CODE_FILES:
+        assert not (folder / name).is_symlink() and (folder / name).read_bytes() == (REPO / name).read_bytes(), name
+    kept = folder / ORIGINALS
+    assert {path.name: path.read_bytes() for path in kept.iterdir()} == originals
+    assert not any(path.is_symlink() for path in kept.iterdir())
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert sorted(manifest["files"]) == sorted(CODE_FILES)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Install, update, revert, as a user runs them
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_install_keeps_the_originals_loads_the_golden_checkpoint_and_reverts_byte_for_byte(tmp_path):
+    folder = tmp_path / "downloaded_glm4"
+    shutil.copytree(shared_path("golden", "glm4-chat-tiny", "checkpoint"), folder)
     for path in folder.iterdir():
         path.chmod(0o644)
-    for code in ("modeling_chatglm.py", "configuration_chatglm.py", "tokenization_chatglm.py"):
-        (folder / code).write_text(f"# the original {code}\n")
-    return folder
+    for name in ORIGINAL_NAMES:
+        (folder / name).write_text(ORIGINAL_CODE[name])
+    start = folder_state(folder)
 
-
-def test_install_backs_up_the_original_code_and_the_checkpoint_then_loads(tmp_path):
-    folder = downloaded_checkpoint(tmp_path)
-    subprocess.run(INSTALL + [str(folder)], check=True, capture_output=True)
-    [backup] = folder.glob("original_code_backup_*")
-    assert sorted(p.name for p in backup.iterdir()) == [
-        "configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py"]
-    assert (backup / "modeling_chatglm.py").read_text() == "# the original modeling_chatglm.py\n"
-    assert (folder / "modeling_chatglm.py").read_text() == (REPO / "modeling_chatglm.py").read_text()
+    result = install_cli(folder)
+    assert result.returncode == 0, result.stderr
+    assert f"--revert {folder}" in result.stdout and fork_version() in result.stdout
+    assert_installed(folder, {name: ORIGINAL_CODE[name].encode() for name in ORIGINAL_NAMES})
     from safetensors.torch import load_file
 
     expected = load_file(str(shared_path("golden", "glm4-chat-tiny", "expected.safetensors")))
@@ -38,34 +92,333 @@ def test_install_backs_up_the_original_code_and_the_checkpoint_then_loads(tmp_pa
         logits = model(input_ids=expected["seq_0_input_ids"][None]).logits[0]
     torch.testing.assert_close(logits, expected["seq_0_logits"], atol=1e-4, rtol=1e-4)
 
-
-def test_install_never_writes_through_hub_cache_symlinks(tmp_path):
-    folder = downloaded_checkpoint(tmp_path)
-    blob = tmp_path / "blob_modeling"
-    blob.write_text("# cached blob\n")
-    (folder / "modeling_chatglm.py").unlink()
-    os.symlink(blob, folder / "modeling_chatglm.py")
-    subprocess.run(INSTALL + [str(folder)], check=True, capture_output=True)
-    assert blob.read_text() == "# cached blob\n"
-    [backup] = folder.glob("original_code_backup_*")
-    assert (backup / "modeling_chatglm.py").is_symlink()
+    result = install_cli("--revert", folder)
+    assert result.returncode == 0, result.stderr
+    assert folder_state(folder) == start
 
 
-def test_install_refuses_other_families_and_changes_nothing(tmp_path):
-    folder = downloaded_checkpoint(tmp_path, folder_name="v1")
-    config = json.loads((folder / "config.json").read_text())
-    config.update(position_encoding_2d=True, inner_hidden_size=16384)
-    (folder / "config.json").write_text(json.dumps(config))
-    before = sorted(p.name for p in folder.iterdir())
-    result = subprocess.run(INSTALL + [str(folder)], capture_output=True, text=True)
-    assert result.returncode == 2 and "first-generation ChatGLM-6B" in result.stderr
-    assert sorted(p.name for p in folder.iterdir()) == before
-    native = downloaded_checkpoint(tmp_path, folder_name="native_glm")
-    config.update(model_type="glm")
-    (native / "config.json").write_text(json.dumps(config))
-    result = subprocess.run(INSTALL + [str(native)], capture_output=True, text=True)
-    assert result.returncode == 2 and "without trust_remote_code" in result.stderr
+def test_hub_cache_snapshot_survives_install_install_revert_and_shares_nothing(tmp_path, checkpoint_bytes):
+    """huggingface_hub's layout: snapshot files are relative links into ../../blobs/, shared between revisions."""
+    layout = hub_cache(tmp_path, checkpoint_bytes)
+    cache, snapshot = layout["cache"], layout["a"]
+    start, blobs, other_revision = folder_state(cache), folder_state(cache / "blobs"), folder_state(layout["b"])
 
+    result = install_cli(snapshot)
+    assert result.returncode == 0, result.stderr
+    assert_installed(snapshot, {name: checkpoint_bytes[name] for name in ORIGINAL_NAMES})
+    assert folder_state(cache / "blobs") == blobs and folder_state(layout["b"]) == other_revision
+    assert not dangling_links(cache)
+    for name in set(checkpoint_bytes) - set(CODE_FILES):  # config, weights, quantization.py: the same links
+        assert os.readlink(snapshot / name) == start[f"snapshots/{snapshot.name}/{name}"][1]
+    installed = folder_state(cache)
+
+    again = install_cli(snapshot)
+    assert again.returncode == 0, again.stderr
+    assert "already installed" in again.stdout and fork_version() in again.stdout
+    assert folder_state(cache) == installed
+
+    status = install_cli("--status", snapshot)
+    assert status.returncode == 0 and "as written" in status.stdout and "a link to ../../blobs/" in status.stdout
+
+    reverted = install_cli("--revert", snapshot)
+    assert reverted.returncode == 0, reverted.stderr
+    assert folder_state(cache) == start
+
+
+def test_a_companion_file_added_to_the_code_files_later_is_installed_and_reverted(new_checkpoint, tmp_path):
+    """An update whose CODE_FILES gained a file (the checkpoint ships its own: its original is kept) and lost one
+    (added by the earlier install: removed again)."""
+    folder = new_checkpoint()
+    (folder / "visual.py").write_text("# the checkpoint's own visual.py\n")
+    start = folder_state(folder)
+    earlier = tmp_path / "earlier_checkout"
+    earlier.mkdir()
+    for name in CODE_FILES:
+        shutil.copy(REPO / name, earlier / name)
+    (earlier / "dropped_companion.py").write_text("# a companion this checkout no longer has\n")
+    code, out, err = run_tool(lambda args: installer.install(folder, source=earlier,
+                                                             names=CODE_FILES + ("dropped_companion.py",)), [])
+    assert code == 0 and (folder / "dropped_companion.py").exists()
+
+    later = tmp_path / "later_checkout"
+    shutil.copytree(earlier, later)
+    (later / "dropped_companion.py").unlink()
+    (later / "visual.py").write_text("# the fork's visual companion\n")
+    code, out, err = run_tool(lambda args: installer.install(folder, source=later, names=CODE_FILES + ("visual.py",)),
+                              [])
+    assert code == 0, err
+    assert "dropped_companion.py: removed" in out and "visual.py: replaced" in out
+    assert not (folder / "dropped_companion.py").exists()
+    assert (folder / "visual.py").read_text() == "# the fork's visual companion\n"
+    assert (folder / ORIGINALS / "visual.py").read_text() == "# the checkpoint's own visual.py\n"
+
+    code, out, err = tool(["--revert", folder])
+    assert code == 0, err
+    assert folder_state(folder) == start
+
+
+def test_files_changed_by_hand_are_not_overwritten_without_force(new_checkpoint):
+    folder = new_checkpoint()
+    start = folder_state(folder)
+    assert tool([folder])[0] == 0
+    installed = folder_state(folder, times=False)
+    (folder / "modeling_chatglm.py").write_text("# my own edits\n")
+    edited = folder_state(folder)
+    for args in ([folder], ["--revert", folder]):
+        code, out, err = tool(args)
+        assert code == 2 and "--force" in err and "modeling_chatglm.py" in err and no_traceback(out, err)
+        assert folder_state(folder) == edited
+    code, out, err = tool(["--force", folder])
+    assert code == 0 and "modeling_chatglm.py: updated" in out, err
+    assert folder_state(folder, times=False) == installed
+    (folder / "modeling_chatglm.py").write_text("# my own edits again\n")
+    code, out, err = tool(["--revert", "--force", folder])
+    assert code == 0, err
+    assert folder_state(folder) == start
+
+
+def test_status_says_what_is_installed(new_checkpoint):
+    folder = new_checkpoint()
+    code, out, _ = tool(["--status", folder])
+    assert code == 0 and "not installed" in out
+    tool([folder])
+    code, out, _ = tool(["--status", folder])
+    assert code == 0 and out.count("as written") == len(CODE_FILES) and fork_version() in out
+    assert "before: nothing (added)" in out and f"before: a file (copy in {ORIGINALS}/)" in out
+
+
+def refusal_cases(folder):
+    """name -> (edit the checkpoint folder, what the message must say); the edit may return other arguments."""
+
+    def write(name, text):
+        return lambda: (folder / name).write_text(text)
+
+    def edit_config(**changes):
+        config = json.loads((folder / "config.json").read_text())
+        return write("config.json", json.dumps({**config, **changes}))
+
+    return {
+        "missing path": (lambda: [folder / "nowhere"], "does not exist"),
+        "a file": (lambda: [folder / "config.json"], "is a file"),
+        "no config": (lambda: (folder / "config.json").unlink(), "has no config.json"),
+        "config not JSON": (write("config.json", "{'model_type': chatglm"), "not valid JSON"),
+        "config a list": (write("config.json", "[1, 2]"), "not an object"),
+        "native GLM": (edit_config(model_type="glm"), "without trust_remote_code"),
+        "llama": (edit_config(model_type="llama"), "not ChatGLM2/3 or GLM-4"),
+        "first generation config": (edit_config(position_encoding_2d=True), "first-generation ChatGLM-6B"),
+        "first generation weights": (lambda: (folder / "model.safetensors").write_bytes(
+            tiny_safetensors([installer.FIRST_GENERATION_KEY])), "first-generation"),
+        "damaged weights": (write("model.safetensors", "<html>404</html>"), "not a safetensors file"),
+        "damaged index": (write("model.safetensors.index.json", '{"weight_map": '), "not valid JSON"),
+        "index without map": (write("model.safetensors.index.json", '{"metadata": {}}'), "no 'weight_map'"),
+        "damaged manifest": (write(MANIFEST, "{}"), "is damaged"),
+        "originals without manifest": (lambda: (folder / ORIGINALS).mkdir(), f"{MANIFEST} is missing"),
+        "earlier tool's backup": (lambda: (folder / "original_code_backup_20250101T000000Z").mkdir(),
+                                  "earlier version of this tool"),
+    }
+
+
+@pytest.mark.parametrize("case", list(refusal_cases(REPO)))
+def test_refusals_exit_2_with_a_message_and_change_nothing(new_checkpoint, case):
+    folder = new_checkpoint()
+    edit, message = refusal_cases(folder)[case]
+    args = edit()
+    args = args if isinstance(args, list) else [folder]
+    before = folder_state(folder)
+    code, out, err = tool(args)
+    assert code == 2 and err.startswith("refused:") and message in err and no_traceback(out, err), (out, err)
+    assert folder_state(folder) == before
+
+
+def test_refuses_to_install_into_this_repository():
+    before = {name: (REPO / name).read_bytes() for name in CODE_FILES if (REPO / name).exists()}
+    result = install_cli(REPO)
+    assert result.returncode == 2 and "checkout of this repository" in result.stderr
+    assert no_traceback(result.stderr) and not (REPO / MANIFEST).exists() and not (REPO / ORIGINALS).exists()
+    assert {name: (REPO / name).read_bytes() for name in before} == before
+
+
+def test_another_run_on_the_same_folder_is_turned_away(new_checkpoint):
+    fcntl = pytest.importorskip("fcntl", reason="advisory folder locks are POSIX-only")
+    folder = new_checkpoint()
+    before = folder_state(folder)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        code, out, err = tool([folder])
+    finally:
+        os.close(fd)
+    assert code == 1 and "another run" in err and folder_state(folder) == before
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Faults: a permission error at each step, a full disk after N bytes, an exception, SIGKILL, a real full tmpfs
+# ---------------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def operation_folder(new_checkpoint, tmp_path):
+    """operation_folder(name) -> (a folder ready for the operation, its arguments). "update" installs over an
+    earlier install whose modeling file differs, which lacked parallel_chatglm.py and had a companion file since
+    dropped."""
+    earlier = tmp_path / "earlier_checkout"
+    earlier.mkdir()
+    for name in CODE_FILES:
+        if name != "parallel_chatglm.py":
+            shutil.copy(REPO / name, earlier / name)
+    (earlier / "modeling_chatglm.py").write_text("# an earlier modeling file\n")
+    (earlier / "dropped_companion.py").write_text("# dropped since\n")
+
+    def prepare(operation):
+        folder = new_checkpoint()
+        if operation == "update":
+            run_tool(lambda args: installer.install(folder, source=earlier, names=CODE_FILES + ("dropped_companion.py",)),
+                     [], FaultyDisk())
+        elif operation == "revert":
+            run_tool(installer.main, [folder], FaultyDisk())
+        return folder, ([folder, "--revert"] if operation == "revert" else [folder])
+
+    return prepare
+
+
+def clean_run(prepare, operation):
+    """A run without faults: its steps, the index of its commit, and the folder it leaves."""
+    folder, args = prepare(operation)
+    disk = FaultyDisk()
+    code, out, err = tool(args, disk)
+    assert code == 0, err
+    commit = next(index for index, (method, argument) in enumerate(disk.steps)
+                  if method == "rename" and argument.endswith(os.sep + JOURNAL))
+    return disk.steps, commit, folder_state(folder, times=False)
+
+
+OPERATIONS = ("install", "update", "revert")
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_a_permission_error_at_any_step_leaves_the_folder_as_it_was(operation_folder, operation):
+    steps, commit, result = clean_run(operation_folder, operation)
+    assert len(steps) > 20  # reads, staging, journal, renames, clean-up
+    for step in range(len(steps)):
+        folder, args = operation_folder(operation)
+        before = folder_state(folder)
+        code, out, err = tool(args, FaultyDisk(fail_at=step))
+        where = (step, steps[step], out, err)
+        if step <= commit:
+            assert code == 1 and "Permission denied" in err and no_traceback(out, err), where
+            assert folder_state(folder) == before and not os.path.lexists(folder / TRANSACTION), where
+        else:  # after the commit only the clean-up failed: done, and the next run removes the leftover
+            assert code == 0 and "warning:" in out, where
+            assert folder_state(folder, times=False) == result, where
+            assert tool(["--status", folder])[0] == 0 and not os.path.lexists(folder / TRANSACTION)
+            assert folder_state(folder, times=False) == result, where
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_a_full_disk_after_any_number_of_bytes_leaves_the_folder_as_it_was(operation_folder, operation):
+    steps, _, _ = clean_run(operation_folder, operation)
+    budgets = byte_budgets(steps)
+    assert len(budgets) > 3
+    for budget in budgets:
+        folder, args = operation_folder(operation)
+        before = folder_state(folder)
+        code, out, err = tool(args, FaultyDisk(space=budget))
+        assert code == 1 and "the disk is full" in err and no_traceback(out, err), (budget, err)
+        assert folder_state(folder) == before and not os.path.lexists(folder / TRANSACTION), budget
+
+
+def test_an_exception_or_ctrl_c_in_the_middle_of_the_renames_leaves_the_folder_as_it_was(operation_folder):
+    """A bug surfaces as its traceback, Ctrl-C as a message; either way every entry is moved back first."""
+    steps, commit, _ = clean_run(operation_folder, "install")
+    folder, args = operation_folder("install")
+    before = folder_state(folder)
+    with pytest.raises(RuntimeError, match="a bug"):
+        tool(args, FaultyDisk(fail_at=commit - 3, error=RuntimeError("a bug")))
+    assert folder_state(folder) == before and not os.path.lexists(folder / TRANSACTION)
+    code, out, err = tool(args, FaultyDisk(fail_at=commit - 3, error=KeyboardInterrupt()))
+    assert code == 1 and "interrupted" in err and no_traceback(out, err)
+    assert folder_state(folder) == before and not os.path.lexists(folder / TRANSACTION)
+
+
+def killed_at(step, args):
+    result = subprocess.run(FAULTS + ["kill", str(step), "--"] + [str(arg) for arg in args], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, (step, result.stdout, result.stderr)
+
+
+def kill_points(steps, commit):
+    """A write halfway, an original moved aside but the new file not yet in, the commit, the clean-up."""
+    biggest_write = max((index for index, (method, _) in enumerate(steps) if method == "write"),
+                        key=lambda index: int(steps[index][1]))
+    journal_written = next(index for index in range(commit, 0, -1) if steps[index][0] == "sync_dir"
+                           and steps[index][1].endswith(TRANSACTION))
+    return {"mid-copy": biggest_write, "between renames": journal_written + 2, "commit": commit,
+            "clean-up": commit + 1}
+
+
+@pytest.mark.parametrize("recovery", [["--status"], [], ["--revert"]], ids=["status", "install", "revert"])
+def test_sigkill_then_the_next_run_finishes_or_undoes_the_install(operation_folder, recovery):
+    steps, commit, result = clean_run(operation_folder, "install")
+    for point, step in kill_points(steps, commit).items():
+        folder, args = operation_folder("install")
+        start = folder_state(folder)
+        killed_at(step, args)
+        for name, entry in folder_state(folder, times=False).items():
+            assert entry in (folder_state_of(start).get(name), result.get(name)), (point, name)
+        code, out, err = tool([folder, *recovery])
+        assert code == 0 and "note:" in out and not os.path.lexists(folder / TRANSACTION), (point, out, err)
+        if recovery == ["--status"]:
+            assert (folder_state(folder) == start) if step <= commit else \
+                (folder_state(folder, times=False) == result), point
+        elif recovery == []:
+            assert folder_state(folder, times=False) == result, point
+        else:
+            assert folder_state(folder) == start, point
+
+
+@pytest.mark.matrix_ends
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_sigkill_at_every_step_then_status_recovers(operation_folder, operation):
+    steps, commit, result = clean_run(operation_folder, operation)
+    for step in range(len(steps)):
+        folder, args = operation_folder(operation)
+        start = folder_state(folder)
+        killed_at(step, args)
+        for name, entry in folder_state(folder, times=False).items():
+            assert entry in (folder_state_of(start).get(name), result.get(name)), (step, steps[step], name)
+        code, out, err = tool([folder, "--status"])
+        assert code == 0 and not os.path.lexists(folder / TRANSACTION), (step, out, err)
+        if step <= commit:
+            assert folder_state(folder) == start, (step, steps[step])
+        else:
+            assert folder_state(folder, times=False) == result, (step, steps[step])
+
+
+def test_a_real_full_tmpfs_leaves_the_folder_as_it_was(tmp_path):
+    """The in-process ENOSPC test above covers every byte count; this one fills a real 1 MiB tmpfs, mounted in a
+    private mount namespace (as root, or as a user where user namespaces are allowed)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no `unshare` here to mount a private tmpfs; the in-process ENOSPC test covers this guarantee")
+    mountpoint = tmp_path / "tmpfs"
+    mountpoint.mkdir()
+    prefix = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--map-root-user", "--mount"]
+    mount = f"mount -t tmpfs -o size=1m tmpfs {mountpoint}"
+    probe = subprocess.run(prefix + ["sh", "-c", mount], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private tmpfs here ({probe.stderr.strip()}); the in-process ENOSPC test covers "
+                    "this guarantee")
+    config = shared_path("golden", "glm4-chat-tiny", "checkpoint", "config.json")
+    run = subprocess.run(prefix + ["sh", "-c", f'{mount} && exec "$@"', "sh"] + FAULTS
+                         + ["tmpfs", str(mountpoint), str(100_000), str(config)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["code"] == 1 and "the disk is full" in report["stderr"], report["stderr"]
+    assert report["after"] == report["before"] and not report["leftover"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The demo and the GPU check
+# ---------------------------------------------------------------------------------------------------------------------
 
 def test_demo_runs_offline_through_auto_classes(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))

@@ -3,7 +3,7 @@
 conftest.py imports everything here (`from tokenizer_fixtures import *`). The conftest helpers are imported inside
 the functions, so the import order between the two modules does not matter.
 """
-import importlib.util
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +22,7 @@ __all__ = [
     "tokenizer_folder_factory",
     "fast_converter",
     "glm4_fast_tokenizer",
+    "chatglm3_fast_tokenizer",
 ]
 
 # family -> folder under shared/tokenizers
@@ -103,12 +104,8 @@ def chatglm3_tokenizer(tokenizer_folder_factory):
 
 @pytest.fixture(scope="session")
 def fast_converter():
-    """tools/convert_glm4_tokenizer_to_fast.py as a module."""
-    path = _conftest().REPO / "tools" / "convert_glm4_tokenizer_to_fast.py"
-    spec = importlib.util.spec_from_file_location("convert_glm4_tokenizer_to_fast", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tools/convert_tokenizer_to_fast.py as a module (conftest puts tools/ on sys.path)."""
+    return importlib.import_module("convert_tokenizer_to_fast")
 
 
 @pytest.fixture(scope="session")
@@ -117,5 +114,17 @@ def glm4_fast_tokenizer(tokenizer_folder_factory, fast_converter):
     from transformers import PreTrainedTokenizerFast
 
     folder = tokenizer_folder_factory("glm4", "glm4-fast")
-    fast_converter.main([str(folder)])
+    assert fast_converter.main([str(folder)]) == 0
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="session")
+def chatglm3_fast_tokenizer(tokenizer_folder_factory, fast_converter):
+    """chatglm3-6b folder + the converter's tokenizer.json. chatglm3-6b's tokenizer_config.json lists four control
+    tokens as non-special, normalized added tokens; `added_tokens_decoder={}` keeps tokenizer.json's own (the README's
+    recipe)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tokenizer_folder_factory("chatglm3", "chatglm3-fast")
+    assert fast_converter.main([str(folder)]) == 0
+    return PreTrainedTokenizerFast.from_pretrained(str(folder), added_tokens_decoder={})
