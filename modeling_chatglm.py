@@ -1,7 +1,7 @@
 """ChatGLM2/3 and GLM-4: one decoder-only architecture, drop-in for the original remote code.
 
 Reads top to bottom: compatibility layer, config-derived sizes, device boundaries, rotary embedding, attention,
-MLP, block, stack, base model, heads. Class names, module attribute names and state-dict keys are the original
+MLP, block, stack, P-tuning v2 prefix, base model, heads. Class names, module attribute names and state-dict keys are the original
 checkpoints' (`transformer.embedding.word_embeddings`, `transformer.encoder.layers.N.self_attention.query_key_value`,
 `transformer.output_layer`, ...), so a checkpoint saved by the original code loads with no missing or unexpected key.
 
@@ -1261,7 +1261,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         """The config from_pretrained will use: the one passed, else the checkpoint's, read with this class's config
         class (ours, or the original one beside a copied modeling_chatglm.py)."""
         config = kwargs.get("config")
-        if isinstance(config, cls.config_class):
+        if isinstance(config, transformers.PretrainedConfig):  # 5.x: AutoConfig's class is another module's copy
             return config
         return cls.config_class.from_pretrained(
             pretrained_model_name_or_path,

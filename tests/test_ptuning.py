@@ -8,7 +8,8 @@ import device_check
 import pytest
 import torch
 import transformers
-from conftest import FAMILIES, TINY_SIZES, dtype_kwarg, load_causal_lm, save_checkpoint, shared_path
+from conftest import REPO, FAMILIES, TINY_SIZES, dtype_kwarg, load_causal_lm, save_checkpoint, shared_path
+from original_code import original_configuration_source
 from reference_glm import reference_logits
 from test_parity import LOSS_ATOL, assert_logits_close, relative_max_error
 from virtual_devices import virtual_devices
@@ -96,6 +97,20 @@ def test_checkpoint_read_without_pre_seq_len_warns_and_runs_the_base_model(ptuni
         model = load_causal_lm(folder, attn_implementation="eager")
     with torch.no_grad():
         assert_logits_close(model(input_ids=seqs(ptuning)[0]).logits[0], ptuning.expected["seq_0_logits_base"])
+
+
+@pytest.mark.parametrize("original_class", FAMILIES)
+def test_modeling_file_copied_alone_over_a_ptuning_checkpoint(ptuning, tmp_path, original_class):
+    """The original configuration class kept beside our modeling_chatglm.py: ChatGLM3's declares pre_seq_len and
+    prefix_projection, GLM-4's does not (config.json's values become plain attributes). Both give the prefix."""
+    folder = tmp_path / f"ptuning_one_file_{original_class}"
+    shutil.copytree(ptuning.folder, folder, ignore=shutil.ignore_patterns("*.py"))
+    (folder / "configuration_chatglm.py").write_text(original_configuration_source(original_class))
+    shutil.copy(REPO / "modeling_chatglm.py", folder / "modeling_chatglm.py")
+    model = load_causal_lm(folder, attn_implementation="eager")
+    assert not hasattr(type(model.config), "validate_chatglm")
+    with torch.no_grad():
+        assert_logits_close(model(input_ids=seqs(ptuning)[2]).logits[0], ptuning.expected["seq_2_logits"])
 
 
 # --- the original's numbers -------------------------------------------------------------------------------------------
@@ -186,8 +201,10 @@ def test_static_cache_generation_matches_golden(ptuning):
 @pytest.mark.matrix_ends
 def test_split_over_devices_matches_golden(ptuning):
     """The checkpoint over three devices, the prefix encoder on its own: golden logits and generations, and each
-    layer's cache (its prefix slots first) on its layer's device."""
+    layer's cache (its prefix slots first) on its layer's device. The classic recipe takes the same device map (its
+    config, with pre_seq_len, is the one the map is checked against)."""
     e = ptuning.expected
+    prefix = {k: ptuning.cases["prefix"][k] for k in ("pre_seq_len", "prefix_projection")}
     with virtual_devices(3) as devices:
         device_map = device_check.spread_device_map(ptuning.cases["config"]["num_layers"], devices)
         device_map["transformer.prefix_encoder"] = str(devices[1])
@@ -200,9 +217,17 @@ def test_split_over_devices_matches_golden(ptuning):
         layers = device_check.layer_devices(model)
         assert device_check.cache_devices(out.past_key_values) == [(d, d) for d in layers]
         assert len(set(layers)) > 1
+        config = transformers.AutoConfig.from_pretrained(ptuning.base_folder, trust_remote_code=True, **prefix)
+        with pytest.warns(UserWarning, match="is random"):
+            classic = load_causal_lm(ptuning.base_folder, config=config, attn_implementation="eager",
+                                     device_map=device_map)
+        classic.load_prefix_encoder(ptuning.prefix_only)
+        with torch.no_grad():
+            classic_logits = classic(input_ids=e["input_ids"], attention_mask=e["attention_mask"]).logits.cpu()
     real = e["attention_mask"].bool()
     assert out.past_key_values.get_seq_length() == ptuning.cases["prefix"]["pre_seq_len"] + e["input_ids"].shape[1]
     assert_logits_close(out.logits.cpu()[real], e["batch_logits"][real])
+    assert_logits_close(classic_logits[real], e["batch_logits"][real])
     torch.testing.assert_close(out.loss.cpu(), e["batch_loss"], atol=LOSS_ATOL, rtol=0)
     assert generated.sequences[:, e["input_ids"].shape[1]:].cpu().tolist() == e["batch_gen_tokens"].tolist()
 
