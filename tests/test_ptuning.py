@@ -282,6 +282,21 @@ def test_cache_paths_agree(tiny_model, family):
             assert cached.tolist() == uncached.tolist()
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_sequences_each_see_the_prefix_and_only_themselves(tiny_model, chatglm, attn):
+    """A padding-free batch (position_ids restarting at 0): each sequence equals itself alone, prefix included."""
+    model = prefix_model(tiny_model, "glm4", attn_implementation=attn)
+    first, second = (torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 7))
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat([first, second], 1), position_ids=positions).logits[0]
+        alone = torch.cat([model(input_ids=first).logits[0], model(input_ids=second).logits[0]])
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="Packed sequences with a P-tuning v2 prefix"):
+        chatglm.modeling.build_attention_mask("flash_attention_2", None, torch.arange(3, 5)[None], 5, batch_size=1,
+                                              sequence_ids=torch.tensor([[0, 1]]), prefix=3)
+
+
 @pytest.mark.matrix_ends
 def test_split_prefix_model_equals_single_device(tiny_model):
     """ChatGLM3 with a projected prefix over 3 devices: logits, loss, gradients (the prefix encoder's and, unfrozen,
@@ -398,7 +413,7 @@ def test_gradient_checkpointing_gives_the_same_prefix_gradients(tiny_model, use_
     _, expected = prefix_grads(model)
     kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    assert model.transformer.encoder.gradient_checkpointing
+    assert all(layer.gradient_checkpointing for layer in model.transformer.encoder.layers)
     _, grads = prefix_grads(model)
     assert set(grads) == set(expected)
     for name in grads:
