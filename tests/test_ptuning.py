@@ -8,9 +8,11 @@ import device_check
 import pytest
 import torch
 import transformers
-from conftest import REPO, FAMILIES, TINY_SIZES, dtype_kwarg, load_causal_lm, save_checkpoint, shared_path
+from conftest import FAMILIES, REPO, TINY_SIZES, dtype_kwarg, load_causal_lm, save_checkpoint, shared_path
 from original_code import original_configuration_source
 from reference_glm import reference_logits
+from safetensors import safe_open
+from safetensors.torch import load_file
 from test_parity import LOSS_ATOL, assert_logits_close, relative_max_error
 from virtual_devices import virtual_devices
 
@@ -21,8 +23,6 @@ GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 def load_classic(case, attn="eager"):
     """The original README's recipe: the base checkpoint with pre_seq_len added to its config, then the prefix-only
     file into `transformer.prefix_encoder`. Loading warns that the prefix is random until then."""
-    from safetensors.torch import load_file
-
     prefix = case.cases["prefix"]
     config = transformers.AutoConfig.from_pretrained(case.base_folder, trust_remote_code=True,
                                                      pre_seq_len=prefix["pre_seq_len"],
@@ -76,8 +76,6 @@ def test_classic_layout_equals_the_whole_checkpoint(ptuning, tmp_path):
         helper = load_causal_lm(ptuning.base_folder, config=config, attn_implementation="eager")
     assert helper.load_prefix_encoder(ptuning.prefix_only).endswith("model.safetensors")
     written = whole.save_prefix_encoder(tmp_path / "prefix_only")
-    from safetensors import safe_open
-
     with safe_open(written, "pt") as f:
         assert {k: list(f.get_slice(k).get_shape()) for k in f.keys()} == ptuning.cases["prefix_only_keys"]
     with torch.no_grad():
