@@ -167,6 +167,11 @@ class ChatGLMConfig(PretrainedConfig):
                 "they name the same thing: make them equal."
             )
 
+    if not hasattr(PretrainedConfig, "get_text_config"):  # transformers 4.44: PEFT 0.21 asks for it (or crashes)
+
+        def get_text_config(self, decoder=False):
+            return self
+
     @property
     def num_key_value_heads(self) -> int:
         """Heads of keys and values: the multi-query groups, or every head without multi-query attention."""

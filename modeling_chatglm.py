@@ -1,7 +1,7 @@
 """ChatGLM2/3 and GLM-4: one decoder-only architecture, drop-in for the original remote code.
 
 Reads top to bottom: compatibility layer, config-derived sizes, device boundaries, rotary embedding, attention,
-MLP, block, stack, base model, heads. Class names, module attribute names and state-dict keys are the original
+MLP, block, stack, P-tuning v2 prefix, base model, heads. Class names, module attribute names and state-dict keys are the original
 checkpoints' (`transformer.embedding.word_embeddings`, `transformer.encoder.layers.N.self_attention.query_key_value`,
 `transformer.output_layer`, ...), so a checkpoint saved by the original code loads with no missing or unexpected key.
 
@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import (
     GenerationMixin,
     LogitsProcessor,
@@ -122,7 +123,24 @@ _HAS_GENERIC_PREPARE_INPUTS = "past_key_values" in inspect.signature(
 
 
 def new_dynamic_cache(config: ChatGLMConfig) -> DynamicCache:
-    return DynamicCache(config=config) if _DYNAMIC_CACHE_TAKES_CONFIG else DynamicCache()
+    return DynamicCache(**dynamic_cache_kwargs(config))
+
+
+def dynamic_cache_kwargs(config: ChatGLMConfig) -> dict:
+    return {"config": config} if _DYNAMIC_CACHE_TAKES_CONFIG else {}
+
+
+def new_static_cache(config: ChatGLMConfig, batch_size: int, max_cache_len: int, dtype: torch.dtype,
+                     layer_devices: list) -> StaticCache:
+    """A StaticCache built by hand. 4.44-4.55 allocate it up front (batch size, dtype, a device; 4.47-4.55 put each
+    layer on its own with `layer_device_map`); 4.56+ allocate each layer lazily where its first keys arrive."""
+    accepted = inspect.signature(StaticCache.__init__).parameters
+    batch_name = "max_batch_size" if "max_batch_size" in accepted else "batch_size"
+    optional = {batch_name: batch_size, "dtype": dtype, "device": layer_devices[0]}
+    if len(set(layer_devices)) > 1:
+        optional["layer_device_map"] = dict(enumerate(layer_devices))
+    return StaticCache(config=config, max_cache_len=max_cache_len,
+                       **{name: value for name, value in optional.items() if name in accepted})
 
 
 def cache_from_legacy(past_key_values) -> DynamicCache:
@@ -409,11 +427,7 @@ def check_supported(config: ChatGLMConfig):
             "of this fork. Set quantization_bit to 0 and quantize at load time instead, for example "
             "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))."
         )
-    if getattr(config, "pre_seq_len", None):
-        raise ValueError(
-            f"config.pre_seq_len={config.pre_seq_len}: P-tuning v2 prefixes (prefix_encoder) are not supported by this "
-            "fork. Set pre_seq_len to null, or fine-tune with PEFT (prefix tuning or LoRA) instead."
-        )
+    prefix_slots(config)  # a P-tuning v2 prefix length is valid (see that section)
     check_fits_in_memory(config)
 
 
@@ -462,6 +476,8 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
         device_map[name] = devices[min(len(devices) - 1, int((start + size / 2) // share))]
         start += size
     device_map["transformer.rotary_pos_emb"] = device_map["transformer.embedding"]
+    if prefix_slots(config):
+        device_map["transformer.prefix_encoder"] = device_map["transformer.embedding"]
     device_map["transformer.encoder.final_layernorm"] = device_map["transformer.output_layer"]
     return device_map
 
@@ -657,13 +673,14 @@ def flash_varlen_kwargs(sequence_ids: torch.Tensor, position_ids: torch.Tensor, 
 
 
 def build_attention_mask(implementation, attention_mask, query_positions, key_length, *, batch_size,
-                         preallocated=False, sequence_ids=None):
+                         preallocated=False, sequence_ids=None, prefix=0):
     """The mask the attention kernels take.
 
     attention_mask: None, a [batch, past + new] padding mask (1 = token, 0 = padding), or a 4D mask (a custom one,
     or one generate() prepared for a static cache: passed through). query_positions: [1, new], each query's slot in
     the cache; preallocated: the cache has key_length slots, those beyond the last query unwritten (static caches).
-    sequence_ids: packed rows (packed_sequence_ids), each token attending only within its own sequence.
+    sequence_ids: packed rows (packed_sequence_ids), each token attending only within its own sequence and to the
+    `prefix` slots (a P-tuning v2 prefix) that lead the cache.
     Returns None (plain causal), a 2D [batch, key_length] padding mask for the flash kernels (they apply causality
     and packing themselves), or a boolean [batch, 1, new, key_length] mask, True where a query may attend.
     """
@@ -675,6 +692,9 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
         attention_mask = None  # one host sync per prompt buys the fused causal kernels
     key_positions = torch.arange(key_length, device=query_positions.device)
     if implementation.startswith("flash"):
+        if sequence_ids is not None and prefix:
+            raise ValueError("Packed sequences with a P-tuning v2 prefix need attn_implementation 'sdpa' or 'eager' "
+                             "(the flash kernels' packed layout has no slots that every sequence sees).")
         if attention_mask is None and preallocated:  # only the written slots
             attention_mask = (key_positions[None] <= query_positions[:, -1:]).expand(batch_size, -1)
         if attention_mask is not None and attention_mask.shape[-1] < key_length:
@@ -684,8 +704,9 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
             and (query_length == 1 or (prefill and implementation == "sdpa")):
         return None
     mask = key_positions[None, None, :] <= query_positions[:, :, None]
-    if sequence_ids is not None:  # a prompt: queries and keys are the same tokens
-        mask = mask & (sequence_ids[:, :, None] == sequence_ids[:, None, :])
+    if sequence_ids is not None:  # a prompt: its keys are its own tokens, after the prefix slots every query sees
+        key_ids = F.pad(sequence_ids, (prefix, 0), value=-1)
+        mask = mask & ((sequence_ids[:, :, None] == key_ids[:, None, :]) | (key_ids < 0)[:, None, :])
     if attention_mask is not None:
         padding = attention_mask.bool()
         if padding.shape[-1] < key_length:  # a static cache's slots beyond the mask are unwritten
@@ -859,6 +880,312 @@ class GLMTransformer(nn.Module):
 
 
 # ======================================================================================================================
+# P-tuning v2 prefix
+# ======================================================================================================================
+# ChatGLM2/3's P-tuning v2 (`pre_seq_len`, `prefix_projection` in config.json; weights `transformer.prefix_encoder.*`):
+# a trained encoder gives every layer `pre_seq_len` key/value slots in front of the real tokens. As in the original,
+# they are the first slots of the key/value cache, written unrotated by the first forward and seen by every query;
+# the real tokens keep positions 0..n-1 and a 2-D attention_mask covers them alone. The core forward meets this section
+# at one seam, `enter_prefix`. GLM-4's original configuration class has no such fields: they are read with getattr.
+
+PREFIX_KEY = "transformer.prefix_encoder."
+PREFIX_DROPOUT = 0.1  # the original's dropout on the prefix (train mode only)
+
+
+def prefix_slots(config) -> int:
+    """config.pre_seq_len as a number of prefix slots; 0 without a prefix."""
+    value = getattr(config, "pre_seq_len", None)
+    if value is None or value == 0:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"config.pre_seq_len must be a positive integer (the P-tuning v2 prefix length) or null, got {value!r}."
+        )
+    return value
+
+
+class PrefixEncoder(nn.Module):
+    """The original's `transformer.prefix_encoder`: `embedding` [pre_seq_len, 2 * layers * kv_heads * head_dim], with
+    `prefix_projection` followed by `trans` (Linear to hidden_size, Tanh, Linear back). Viewed [2 * layers, kv_heads,
+    head_dim], row 2l of a slot is layer l's key and row 2l + 1 its value. Without multi-query attention every head
+    has its own key/value (the original sized the prefix by multi_query_group_num there, and crashed)."""
+
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__()
+        sizes = AttentionSizes.from_config(config)
+        self.pre_seq_len = prefix_slots(config)
+        self.num_layers, self.kv_heads, self.head_dim = config.num_layers, sizes.num_kv_heads, sizes.head_dim
+        kv_size = 2 * self.num_layers * self.kv_heads * self.head_dim
+        self.embedding = nn.Embedding(self.pre_seq_len, kv_size)
+        if getattr(config, "prefix_projection", False):
+            self.trans = nn.Sequential(
+                nn.Linear(kv_size, config.hidden_size), nn.Tanh(), nn.Linear(config.hidden_size, kv_size)
+            )
+        else:
+            self.trans = None
+        self.dropout = nn.Dropout(PREFIX_DROPOUT)
+
+    def forward(self, prefix: torch.Tensor) -> torch.Tensor:
+        """prefix: slot indices [batch, n] -> [batch, n, 2 * layers * kv_heads * head_dim] (the original's call)."""
+        embedded = self.embedding(prefix)
+        return embedded if self.trans is None else self.trans(embedded)
+
+    def key_values(self, batch_size: int, dtype: torch.dtype) -> list:
+        """Each layer's prefix as (key, value), [batch, kv_heads, pre_seq_len, head_dim], in `dtype` (the encoder may
+        stay fp32 in a half-precision model, as the original ptuning scripts kept it)."""
+        slots = torch.arange(self.pre_seq_len, device=execution_device(self))
+        prefix = self(slots[None]).to(dtype).expand(batch_size, -1, -1)
+        prefix = self.dropout(prefix).unflatten(-1, (2 * self.num_layers, self.kv_heads, self.head_dim))
+        prefix = prefix.permute(2, 0, 3, 1, 4)  # [2 * layers, batch, kv_heads, slots, head_dim]
+        return [(prefix[2 * layer], prefix[2 * layer + 1]) for layer in range(self.num_layers)]
+
+    def describe(self) -> str:
+        kv_size = self.embedding.weight.shape[1]
+        return (f"pre_seq_len={self.pre_seq_len}, prefix_projection={self.trans is not None}, embedding.weight "
+                f"[pre_seq_len, 2 x {self.num_layers} layers x {self.kv_heads} key/value heads x head size "
+                f"{self.head_dim}] = [{self.pre_seq_len}, {kv_size}]")
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The classic recipe's call; a prefix trained for another config fails with the shapes expected and found."""
+        check_prefix_state(self, state_dict, "the state dict given to prefix_encoder.load_state_dict")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def check_prefix_state(encoder: PrefixEncoder, state_dict: dict, source: str):
+    """Refuse prefix tensors trained for another pre_seq_len, depth, key/value heads, head size or projection."""
+    expected = {name: list(tensor.shape) for name, tensor in encoder.state_dict().items()}
+    found = {name: list(tensor.shape) for name, tensor in state_dict.items()}
+    problems = [f"{name} has shape {found[name]}, expected {shape}"
+                for name, shape in expected.items() if name in found and found[name] != shape]
+    if any(name.startswith("trans.") for name in found) != (encoder.trans is not None):
+        problems.append("it was saved " + ("without" if encoder.trans is not None else "with")
+                        + " prefix_projection (trans.* weights)")
+    if problems:
+        raise ValueError(
+            f"{source} does not fit this model's P-tuning v2 prefix encoder: {'; '.join(problems)}. This model "
+            f"expects {encoder.describe()}. Set pre_seq_len and prefix_projection in the config to the values the "
+            "prefix was trained with (the base model must be the one it was trained on)."
+        )
+
+
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+PREFIX_FILES = ("adapter_model.safetensors", "adapter_model.bin") + MODEL_FILES
+
+
+def read_prefix_file(path, names=PREFIX_FILES, shapes_only: bool = False) -> Tuple[dict, str]:
+    """The prefix encoder's tensors (names without `transformer.prefix_encoder.`; empty meta tensors with
+    `shapes_only`) and the file that holds them. `path` is a safetensors or torch file, or a folder holding one of
+    `names`: the ChatGLM2/3 ptuning trainer's checkpoint, a whole or sharded checkpoint, `save_prefix_encoder`'s output,
+    or a PEFT prefix-tuning adapter, whose `prompt_embeddings` are the embedding of an encoder without projection."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        present = [os.path.join(path, name) for name in names if os.path.isfile(os.path.join(path, name))]
+        if not present:
+            raise FileNotFoundError(f"{path} holds none of {', '.join(names)}: no P-tuning v2 prefix to load.")
+        path = present[0]
+    files = [path]
+    if path.endswith(".index.json"):
+        with open(path) as index:
+            weight_map = json.load(index)["weight_map"]
+        files = sorted({os.path.join(os.path.dirname(path), shard)
+                        for name, shard in weight_map.items() if name.startswith(PREFIX_KEY)})
+
+    def wanted(name):
+        return name.startswith(PREFIX_KEY) or name == "prompt_embeddings"
+
+    tensors = {}
+    for file in files:
+        if file.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(file, "pt") as weights:
+                for name in filter(wanted, weights.keys()):
+                    tensors[name] = (torch.empty(weights.get_slice(name).get_shape(), device="meta") if shapes_only
+                                     else weights.get_tensor(name))
+        else:  # mmap: a whole-model shard is not read for its prefix
+            weights = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            tensors.update({name: tensor for name, tensor in weights.items() if wanted(name)})
+    state = {name[len(PREFIX_KEY):]: tensor for name, tensor in tensors.items() if name.startswith(PREFIX_KEY)}
+    if not state and "prompt_embeddings" in tensors:
+        state = {"embedding.weight": tensors["prompt_embeddings"]}
+    return state, (files[0] if len(files) == 1 else path)
+
+
+def load_prefix_file(encoder: PrefixEncoder, path) -> str:
+    state, file = read_prefix_file(path)
+    if not state:
+        raise ValueError(f"{file} holds no {PREFIX_KEY}* tensors (nor PEFT prompt_embeddings): it is not a P-tuning "
+                         "v2 prefix.")
+    check_prefix_state(encoder, state, file)
+    encoder.load_state_dict(state)
+    return file
+
+
+def check_prefix_checkpoint(folder, config):
+    """Before from_pretrained reads a local checkpoint: prefix weights that do not fit the config fail here, naming
+    the file (transformers would name neither the file nor pre_seq_len)."""
+    if not prefix_slots(config):
+        return
+    try:
+        found, file = read_prefix_file(folder, MODEL_FILES, shapes_only=True)
+    except FileNotFoundError:  # weights in a subfolder or another format: transformers' own checks apply
+        return
+    if found:
+        with torch.device("meta"):
+            check_prefix_state(PrefixEncoder(config), found, file)
+
+
+PREFIX_SHAPE_FIELDS = ("pre_seq_len", "prefix_projection", "num_layers", "num_attention_heads", "multi_query_attention",
+                       "multi_query_group_num", "kv_channels", "hidden_size")
+
+
+def prefix_config(config, kwargs: dict):
+    """The config from_pretrained builds, as far as the prefix's shapes go: a passed `config`, or the checkpoint's
+    with from_pretrained's overrides (pre_seq_len=N, ...)."""
+    if kwargs.get("config") is None:
+        for name in PREFIX_SHAPE_FIELDS:
+            if name in kwargs:
+                setattr(config, name, kwargs[name])
+    return config
+
+
+def require_prefix(model: nn.Module) -> PrefixEncoder:
+    encoder = getattr(model.base_model, "prefix_encoder", None)
+    if encoder is None:
+        raise ValueError(
+            "This model has no P-tuning v2 prefix (config.pre_seq_len is not set). Load it with the prefix length it "
+            "was trained with, e.g. AutoConfig.from_pretrained(base, trust_remote_code=True, pre_seq_len=128) and "
+            "from_pretrained(base, config=config, trust_remote_code=True)."
+        )
+    return encoder
+
+
+def cached_prefix(model: "ChatGLMModel", past) -> int:
+    """How many of `past` cached slots are prefix: pre_seq_len once a forward wrote them (an empty cache has none)."""
+    return model.prefix_encoder.pre_seq_len if model.prefix_encoder is not None and not (
+        isinstance(past, int) and past == 0) else 0
+
+
+def cache_is_empty(cache: Cache) -> bool:
+    length = cache.get_seq_length()
+    return length == 0 if isinstance(length, int) else not bool(length)  # a tensor from static caches before 5.x
+
+
+class PrefixOnlyCache(DynamicCache):
+    """The prefix for a forward that keeps no cache (use_cache=False, gradient checkpointing): each layer attends to
+    its prefix followed by the new keys, and nothing is stored, so a checkpointed layer that runs again sees the same
+    keys. Gradients reach the prefix encoder through the concatenation."""
+
+    def __init__(self, config: ChatGLMConfig, key_values: list):
+        super().__init__(**dynamic_cache_kwargs(config))
+        self.prefix = key_values
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        key, value = self.prefix[layer_idx]
+        return torch.cat([key, key_states], dim=-2), torch.cat([value, value_states], dim=-2)
+
+    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
+        return self.prefix[layer_idx][0].shape[-2]
+
+
+def enter_prefix(model: "ChatGLMModel", cache: Optional[Cache], batch_size: int, query_length: int):
+    """The seam into the core forward. Returns the cache the layers use and how many prefix slots lead it (0 without
+    a prefix). An empty cache gets the prefix written first, each layer's slots on that layer's device; a cache that
+    is not empty holds it already (an earlier call wrote it); without a cache the layers get a PrefixOnlyCache."""
+    encoder = model.prefix_encoder
+    if encoder is None:
+        return cache, 0
+    slots = encoder.pre_seq_len
+    if cache is not None and not cache_is_empty(cache):
+        return cache, slots
+    room = max_cache_length(cache) if cache is not None else None
+    if room is not None and slots + query_length > room:
+        raise ValueError(
+            f"The static cache has {room} slots; the P-tuning v2 prefix takes pre_seq_len={slots} of them before the "
+            f"{query_length} tokens. Build it with max_cache_len >= {slots + query_length} plus the tokens to "
+            "generate (generate(cache_implementation='static') does this itself)."
+        )
+    devices = [execution_device(layer) for layer in model.encoder.layers]
+    key_values = [(device_boundary(key, device), device_boundary(value, device))
+                  for (key, value), device in zip(encoder.key_values(batch_size, model.compute_dtype), devices)]
+    if cache is None:
+        return PrefixOnlyCache(model.config, key_values), slots
+    for index, ((key, value), device) in enumerate(zip(key_values, devices)):
+        cache.update(key, value, index, {"cache_position": torch.arange(slots, device=device)})
+    return cache, slots
+
+
+def reserve_static_cache_room(model: nn.Module, inputs: Optional[torch.Tensor], kwargs: dict) -> dict:
+    """generate(cache_implementation="static") sizes its cache for the prompt and the new tokens only; with a prefix
+    the static cache is built here, `pre_seq_len` slots larger, and handed to generate."""
+    encoder = getattr(model.base_model, "prefix_encoder", None)
+    if encoder is None or kwargs.get("past_key_values") is not None:
+        return kwargs
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{name: value for name, value in kwargs.items() if hasattr(config, name)})
+    if config.cache_implementation != "static" or config.use_cache is False:
+        return kwargs
+    prompt = next(t for t in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None)
+    batch_size, length = prompt.shape[:2]
+    new_tokens = config.max_new_tokens if config.max_new_tokens is not None else max(config.max_length - length, 0)
+    transformer = model.base_model
+    cache = new_static_cache(
+        model.config, batch_size * max(config.num_beams or 1, config.num_return_sequences or 1),
+        encoder.pre_seq_len + length + new_tokens, transformer.compute_dtype,
+        [execution_device(layer) for layer in transformer.encoder.layers],
+    )
+    config.cache_implementation = None
+    kwargs = {name: value for name, value in kwargs.items() if name != "cache_implementation"}
+    return dict(kwargs, past_key_values=cache, generation_config=config)
+
+
+def train_prefix_only(model: "ChatGLMModel"):
+    """As in the original, a model with a prefix trains the prefix alone: every other weight of the base model is
+    frozen when it is built or loaded. `model.requires_grad_(True)` (or on chosen modules) trains more."""
+    if model.prefix_encoder is not None:
+        model.requires_grad_(False)
+        model.prefix_encoder.requires_grad_(True)
+
+
+def prefix_checkpointing_kwargs(kwargs: Optional[dict]) -> dict:
+    """The prefix reaches the layers through the cache, which reentrant checkpointing does not see as an input: no
+    gradient would reach the prefix encoder. With a prefix, checkpointing is non-reentrant."""
+    kwargs = dict(kwargs or {})
+    if kwargs.get("use_reentrant"):
+        raise ValueError(
+            "gradient_checkpointing_kwargs={'use_reentrant': True} cannot train a P-tuning v2 prefix (it reaches the "
+            "layers through the cache, which reentrant checkpointing does not differentiate). Leave use_reentrant "
+            "unset or False."
+        )
+    kwargs["use_reentrant"] = False
+    return kwargs
+
+
+def report_prefix_weights(model: nn.Module, loading_info: dict):
+    """After from_pretrained: a prefix left random, or prefix weights the config ignores, are said, not silent."""
+    encoder = getattr(model.base_model, "prefix_encoder", None)
+    missing = [name if isinstance(name, str) else name[0]  # 4.44 lists mismatches as (name, shapes...)
+               for key in ("missing_keys", "mismatched_keys") for name in loading_info.get(key, ())]
+    missing = [name for name in missing if "prefix_encoder." in name]
+    unexpected = [name for name in loading_info.get("unexpected_keys", ()) if "prefix_encoder." in name]
+    if encoder is not None and missing:
+        warnings.warn(
+            f"The checkpoint holds no P-tuning v2 prefix weights ({', '.join(missing)}): the prefix of "
+            f"pre_seq_len={encoder.pre_seq_len} is random, as at the start of P-tuning. To use a trained prefix, load "
+            "it: model.load_prefix_encoder(path) or model.transformer.prefix_encoder.load_state_dict(...).",
+            stacklevel=3,
+        )
+    if encoder is None and unexpected:
+        warnings.warn(
+            f"The checkpoint holds P-tuning v2 prefix weights ({', '.join(unexpected)}) but config.pre_seq_len is not "
+            "set: the prefix is ignored and the base model runs. Load with pre_seq_len (and prefix_projection) as "
+            "trained, e.g. from_pretrained(path, trust_remote_code=True, pre_seq_len=N).",
+            stacklevel=3,
+        )
+
+
+
+# ======================================================================================================================
 # Base model
 # ======================================================================================================================
 
@@ -894,18 +1221,47 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         if isinstance(device_map, dict):
             with torch.device("meta"):
                 check_device_map(cls(cls._config_for(pretrained_model_name_or_path, kwargs)), device_map)
+        if os.path.isdir(os.fspath(pretrained_model_name_or_path)):  # P-tuning v2: a prefix that does not fit fails
+            config = prefix_config(cls._config_for(pretrained_model_name_or_path, kwargs), kwargs)
+            check_prefix_checkpoint(pretrained_model_name_or_path, config)
         with_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
                                               **kwargs)
         check_loaded_weights(model, info, pretrained_model_name_or_path)
+        train_prefix_only(model.base_model)  # P-tuning v2: 5.x loads weights as new, trainable Parameters
+        report_prefix_weights(model, info)
         return (model, info) if with_info else model
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        """transformers' gradient checkpointing; non-reentrant with a P-tuning v2 prefix (prefix_checkpointing_kwargs)."""
+        if getattr(self.base_model, "prefix_encoder", None) is not None:
+            gradient_checkpointing_kwargs = prefix_checkpointing_kwargs(gradient_checkpointing_kwargs)
+        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    def load_prefix_encoder(self, path) -> str:
+        """Load a P-tuning v2 prefix saved apart from the base model (a file or a folder: the ChatGLM2/3 ptuning
+        trainer's checkpoint, save_prefix_encoder's output, a whole checkpoint, or a PEFT prefix-tuning adapter).
+        Returns the file read; a prefix trained for another config fails naming the file and the shapes."""
+        return load_prefix_file(require_prefix(self), path)
+
+    def save_prefix_encoder(self, save_directory) -> str:
+        """Write the P-tuning v2 prefix alone, the classic layout: `model.safetensors` holding
+        `transformer.prefix_encoder.*` (full names), as the ChatGLM2/3 ptuning trainer saved it."""
+        from safetensors.torch import save_file
+
+        encoder = require_prefix(self)
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, "model.safetensors")
+        save_file({PREFIX_KEY + name: tensor.detach().contiguous().cpu() for name, tensor in encoder.state_dict().items()},
+                  path, metadata={"format": "pt"})
+        return path
 
     @classmethod
     def _config_for(cls, pretrained_model_name_or_path, kwargs) -> ChatGLMConfig:
         """The config from_pretrained will use: the one passed, else the checkpoint's, read with this class's config
         class (ours, or the original one beside a copied modeling_chatglm.py)."""
         config = kwargs.get("config")
-        if isinstance(config, cls.config_class):
+        if isinstance(config, transformers.PretrainedConfig):  # 5.x: AutoConfig's class is another module's copy
             return config
         return cls.config_class.from_pretrained(
             pretrained_model_name_or_path,
@@ -986,8 +1342,9 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
                          "(a prompt cannot be empty; the GLM tokenizers start every prompt with [gMASK] <sop>).")
 
     past = cached_length(past_key_values, model, batch)
+    tokens = past - cached_prefix(model, past)  # a 2-D mask covers the tokens, not a P-tuning v2 prefix
     if attention_mask is not None:
-        columns = f"{past} + {length}" if isinstance(past, int) else "the cached and the new tokens"
+        columns = f"{tokens} + {length}" if isinstance(past, int) else "the cached and the new tokens"
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_complex():
             refuse("attention_mask", attention_mask, f"a tensor [{batch}, {columns}] of 1 (token) and 0 (padding)")
         if attention_mask.dim() == 4:
@@ -997,9 +1354,10 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
                 refuse("attention_mask", attention_mask, f"a custom 4D mask [{batch}, 1, {length}, {columns}] of bool "
                        "(True: attend) or float (0 or -inf, added to the scores)")
         elif attention_mask.dim() != 2 or attention_mask.shape[0] != batch \
-                or (isinstance(past, int) and attention_mask.shape[1] != past + length):
+                or (isinstance(past, int) and attention_mask.shape[1] != tokens + length):
             refuse("attention_mask", attention_mask, f"[batch, cached + new tokens] = [{batch}, {columns}] (or a "
-                   "custom 4D mask)")
+                   "custom 4D mask)" + ("; the model adds the P-tuning v2 prefix's columns itself"
+                                        if model.prefix_encoder is not None else ""))
     if position_ids is not None:
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
                 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length \
@@ -1067,6 +1425,8 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.prefix_encoder = PrefixEncoder(config) if prefix_slots(config) else None  # P-tuning v2 (own section)
+        train_prefix_only(self)
         self.post_init()
         if device is not None:
             self.to(device)
@@ -1124,21 +1484,28 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
                 check_token_ids(input_ids, self.config.padded_vocab_size)
             inputs_embeds = self.embedding(input_ids)
         query_length = inputs_embeds.shape[1]
+        # A P-tuning v2 prefix leads the cache (own section); positions and a 2-D mask cover the tokens only.
+        layer_cache, prefix = enter_prefix(self, past_key_values, inputs_embeds.shape[0], query_length)
+        if prefix:
+            past_length = layer_cache.get_seq_length()
 
         query_positions = (torch.arange(query_length, device=embedding_device) + past_length)[None]
-        sequence_ids = packed_sequence_ids(position_ids, attention_mask, past_length)  # given positions only
+        sequence_ids = packed_sequence_ids(position_ids, attention_mask, past_length - prefix)  # given positions only
         if position_ids is None:
-            position_ids = self.default_position_ids(attention_mask, query_positions, query_length)
+            position_ids = self.default_position_ids(attention_mask, query_positions - prefix, query_length)
+        if prefix and attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], prefix), attention_mask], -1)
 
         # Rotary table computed on the rotary module's device; each layer gets it on its own device (LayerInputs).
         rotary_device = execution_device(self.rotary_pos_emb)
         cos, sin = self.rotary_pos_emb(device_boundary(position_ids, rotary_device), self.compute_dtype)
 
-        cache_slots = max_cache_length(past_key_values) if past_key_values is not None else None
+        cache_slots = max_cache_length(layer_cache) if layer_cache is not None else None
         implementation = attention_implementation(self.config, output_attentions)
         mask = build_attention_mask(
             implementation, attention_mask, query_positions, cache_slots or past_length + query_length,
             batch_size=inputs_embeds.shape[0], preallocated=cache_slots is not None, sequence_ids=sequence_ids,
+            prefix=prefix,
         )
         # Keyword arguments the model does not read go to the attention kernel (attention backends pass theirs so).
         kernel_kwargs = {name: value for name, value in kwargs.items() if name != "cache_position"}
@@ -1148,7 +1515,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
                                    kernel_kwargs)
 
         hidden_states, all_hidden_states, all_attentions = self.encoder(
-            inputs_embeds, layer_inputs, past_key_values,
+            inputs_embeds, layer_inputs, layer_cache,
             output_hidden_states=output_hidden_states, output_attentions=output_attentions,
         )
         if self.config.fp32_residual_connection:
@@ -1601,20 +1968,25 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         for name in ("input_ids", "attention_mask", "position_ids", "inputs_embeds"):
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = device_boundary(kwargs[name], device)
+        kwargs = reserve_static_cache_room(self, inputs, kwargs)  # P-tuning v2: room for the prefix
         return super().generate(inputs, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       position_ids=None, inputs_embeds=None, **kwargs):
         if position_ids is not None and inputs_embeds is None and position_ids.shape[-1] < input_ids.shape[-1]:
             position_ids = extend_position_ids(position_ids, input_ids.shape[-1])
-        if _HAS_GENERIC_PREPARE_INPUTS:
-            return super().prepare_inputs_for_generation(
-                input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
-                position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs,
+        if not _HAS_GENERIC_PREPARE_INPUTS:
+            return prepare_inputs_before_4_46(
+                input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, **kwargs
             )
-        return prepare_inputs_before_4_46(
-            input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, **kwargs
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs,
         )
+        if self.transformer.prefix_encoder is not None and (attention_mask is None or attention_mask.dim() == 2):
+            # 4.53+ make a 4-D mask for static caches, blind to the prefix slots: the model builds its own.
+            model_inputs["attention_mask"] = attention_mask
+        return model_inputs
 
 
 def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, position_ids, inputs_embeds,

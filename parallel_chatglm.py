@@ -96,6 +96,11 @@ def check_tensor_parallel_size(config, tp_size) -> ShardSizes:
     """The per-rank sizes for `tp_size`, or a ValueError naming the sizes and the TP sizes that work."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"The tensor parallel size must be a positive integer, got {tp_size!r}.")
+    if getattr(config, "pre_seq_len", None):
+        raise ValueError(
+            f"config.pre_seq_len={config.pre_seq_len}: tensor parallelism does not shard a P-tuning v2 prefix. Load "
+            "the model without tp_plan (device_map='auto' splits it over several GPUs)."
+        )
     problem = _sizes_fit(config, tp_size)
     if problem:
         raise ValueError(

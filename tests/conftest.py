@@ -69,6 +69,7 @@ import importlib  # noqa: E402
 import json  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -76,6 +77,8 @@ from packaging.version import Version  # noqa: E402
 
 TRANSFORMERS = Version(transformers.__version__)
 GOLDEN_CASES = ("glm4-chat-tiny", "chatglm3-tiny")
+# P-tuning v2 cases: every golden case with a prefix-only layout (FORMAT.md, "P-tuning v2 cases").
+PTUNING_CASES = tuple(sorted(p.parent.name for p in (SHARED / "golden").glob("*/prefix_only"))) or ("glm4-ptuning-tiny",)
 FAMILIES = ("glm4", "chatglm3")
 
 
@@ -116,6 +119,8 @@ class GoldenCase:
     folder: Path  # the checkpoint with our code files dropped in
     cases: dict
     expected: dict
+    base_folder: Optional[Path] = None  # P-tuning cases: the base checkpoint, code files dropped in
+    prefix_only: Optional[Path] = None  # P-tuning cases: the folder holding only the prefix (read in place)
 
     @property
     def family(self) -> str:
@@ -140,16 +145,30 @@ def make_golden_case(name: str, tmp_root: Path) -> GoldenCase:
     for path in folder.iterdir():
         path.chmod(0o644)
     copy_code_into(folder)
-    return GoldenCase(
+    case = GoldenCase(
         name=name,
         folder=folder,
         cases=json.loads((source / "cases.json").read_text()),
         expected=load_file(str(source / "expected.safetensors")),
     )
+    if (source / "base_checkpoint").exists():
+        case.base_folder = tmp_root / f"golden_{name.replace('-', '_')}_base"
+        shutil.copytree(source / "base_checkpoint", case.base_folder)
+        for path in case.base_folder.iterdir():
+            path.chmod(0o644)
+        copy_code_into(case.base_folder)
+        case.prefix_only = source / "prefix_only"
+    return case
 
 
 @pytest.fixture(scope="session", params=GOLDEN_CASES)
 def golden(request, tmp_path_factory) -> GoldenCase:
+    return make_golden_case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="session", params=PTUNING_CASES)
+def ptuning(request, tmp_path_factory) -> GoldenCase:
+    """A P-tuning v2 golden case: `folder` is the whole checkpoint, `base_folder` + `prefix_only` the classic pair."""
     return make_golden_case(request.param, tmp_path_factory.mktemp(request.param))
 
 
@@ -188,7 +207,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
                 values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
                 if name.endswith("bias"):
                     values -= 1.0
-            elif "word_embeddings" in name:
+            elif "word_embeddings" in name or "prefix_encoder.embedding" in name:
                 values = torch.randn(param.shape, generator=generator)
             else:
                 values = 0.15 * torch.randn(param.shape, generator=generator)

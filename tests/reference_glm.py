@@ -1,7 +1,8 @@
 """A plain reference forward of the ChatGLM architecture, written from the description of the original code rather
 than from our module: float64, sequence-first ([seq, batch, hidden]) as the original, explicit pairs for the rotary
 embedding and an explicit key/value head per query head. No cache, no padding: the truth for config flags that
-neither the goldens nor GlmForCausalLM cover."""
+neither the goldens nor GlmForCausalLM cover. A P-tuning v2 prefix, when the state dict has one, is computed from its
+encoder weights and put in front of each layer's keys and values, unrotated, with the tokens at positions 0..n-1."""
 import math
 
 import torch
@@ -37,7 +38,21 @@ def _rotate(t, positions, config):
     return out
 
 
-def _attention(x, sd, prefix, config):
+def _prefix(sd, config):
+    """[P, 2 * layers, kv_heads, dim] from `transformer.prefix_encoder.*`, or None: embedding, then (with
+    prefix_projection) Linear, tanh, Linear."""
+    weight = sd.get("transformer.prefix_encoder.embedding.weight")
+    if weight is None:
+        return None
+    out = weight.double()
+    if "transformer.prefix_encoder.trans.0.weight" in sd:
+        out = _linear(torch.tanh(_linear(out, sd, "transformer.prefix_encoder.trans.0")), sd,
+                      "transformer.prefix_encoder.trans.2")
+    kv_heads = config.multi_query_group_num if config.multi_query_attention else config.num_attention_heads
+    return out.reshape(out.shape[0], 2 * config.num_layers, kv_heads, config.kv_channels)
+
+
+def _attention(x, sd, prefix, config, layer_prefix=None):
     seq, batch, _ = x.shape
     heads, dim = config.num_attention_heads, config.kv_channels
     kv_heads = config.multi_query_group_num if config.multi_query_attention else heads
@@ -52,6 +67,11 @@ def _attention(x, sd, prefix, config):
     positions = torch.arange(seq)
     q, k = _rotate(q, positions, config), _rotate(k, positions, config)
     causal = torch.ones(seq, seq).tril().bool()
+    if layer_prefix is not None:  # (key, value) [P, kv_heads, dim]: unrotated, seen by every query
+        slots = layer_prefix[0].shape[0]
+        k = torch.cat([layer_prefix[0][:, None].expand(slots, batch, kv_heads, dim), k])
+        v = torch.cat([layer_prefix[1][:, None].expand(slots, batch, kv_heads, dim), v])
+        causal = torch.cat([torch.ones(seq, slots).bool(), causal], dim=1)
     context = torch.empty(seq, batch, heads, dim, dtype=torch.float64)
     for h in range(heads):
         g = h // (heads // kv_heads)
@@ -69,11 +89,13 @@ def _mlp(x, sd, prefix):
 def reference_logits(state_dict, config, input_ids):
     sd = {k: v.detach().cpu() for k, v in state_dict.items()}
     x = sd["transformer.embedding.word_embeddings.weight"].double()[input_ids].transpose(0, 1)
+    prefix = _prefix(sd, config)
     for i in range(config.num_layers):
         p = f"transformer.encoder.layers.{i}"
+        layer_prefix = None if prefix is None else (prefix[:, 2 * i], prefix[:, 2 * i + 1])
         normed = _norm(x, sd, p + ".input_layernorm", config)
         residual = normed if config.apply_residual_connection_post_layernorm else x
-        x = residual + _attention(normed, sd, p + ".self_attention", config)
+        x = residual + _attention(normed, sd, p + ".self_attention", config, layer_prefix)
         normed = _norm(x, sd, p + ".post_attention_layernorm", config)
         residual = normed if config.apply_residual_connection_post_layernorm else x
         x = residual + _mlp(normed, sd, p + ".mlp")
