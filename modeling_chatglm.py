@@ -1683,7 +1683,7 @@ class ChatMixin:
         if past_key_values is not None:
             if isinstance(past_key_values, (tuple, list)):
                 past_key_values = cache_from_legacy(past_key_values)
-            past_length = past_key_values.get_seq_length()
+            past_length = self.cached_tokens(past_key_values)
             inputs.pop("position_ids", None)  # the new turn continues after the cache: positions follow the mask
             mask = inputs["attention_mask"]
             inputs["attention_mask"] = torch.cat([mask.new_ones(mask.shape[0], past_length), mask], dim=1)
@@ -1725,7 +1725,7 @@ class ChatMixin:
         attention_mask = device_boundary(attention_mask, device)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_length = self.cached_tokens(past_key_values) if past_key_values is not None else 0
         if attention_mask.shape[1] == input_ids.shape[1] and past_length:
             attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], past_length),
                                         attention_mask], dim=1)
@@ -1755,6 +1755,11 @@ class ChatMixin:
             yield (input_ids, past_key_values) if return_past_key_values else input_ids
             if not unfinished.any() or any(bool(torch.all(c(input_ids, scores))) for c in stopping_criteria):
                 break
+
+    def cached_tokens(self, cache) -> int:
+        """Tokens a cache holds, without the P-tuning v2 prefix slots (an attention mask covers tokens only)."""
+        length = cache.get_seq_length()
+        return length - cached_prefix(self.transformer, length)
 
     def quantize(self, bits: int, empty_init=False, device=None, **kwargs):
         """The original's `model.quantize(bits)`: weight-only quantization of the blocks' linear layers (embedding
