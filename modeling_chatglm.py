@@ -868,7 +868,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     base_model_prefix = "transformer"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["GLMBlock"]
+    _no_split_modules = ["GLMBlock", "TransformerLayer"]  # TransformerLayer: GLM-4V's vision blocks
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn_2 = True  # 4.x name
@@ -931,11 +931,11 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         """Random weights for models built from a config (the original left them uninitialised)."""
         std = getattr(self.config, "initializer_range", 0.02)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
             weight_init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 weight_init.zeros_(module.bias)
-        elif isinstance(module, (RMSNorm, LayerNorm)):
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
             weight_init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 weight_init.zeros_(module.bias)
@@ -944,6 +944,9 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
                 weight_init.copy_(module.inv_freq, module.checkpoint_inv_freq())
             else:
                 module.inv_freq.data.copy_(module.checkpoint_inv_freq())
+        else:  # parameters a module holds itself: GLM-4V's class, begin- and end-of-image rows
+            for param in module.parameters(recurse=False):
+                weight_init.normal_(param, mean=0.0, std=std)
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
@@ -1067,6 +1070,9 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        # GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower of visual.py, whose image rows enter through `splice`.
+        self.vision = import_companion("visual", config).EVA2CLIPModel(config) \
+            if getattr(config, "vision_config", None) else None
         self.post_init()
         if device is not None:
             self.to(device)
@@ -1088,8 +1094,11 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        images: Optional[torch.Tensor] = None,
         **kwargs,
     ):
+        """`images` (GLM-4V): pixels [batch, 3, S, S], one image per sequence, spliced in where its ids hold
+        <|begin_of_image|>; `attention_mask` and `position_ids` then stay in tokens, as the tokenizer makes them."""
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -1123,6 +1132,13 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
                     and not is_compiling():
                 check_token_ids(input_ids, self.config.padded_vocab_size)
             inputs_embeds = self.embedding(input_ids)
+        if self.vision is not None:  # the one seam of GLM-4V: image rows in, token-layout mask and positions to rows
+            inputs_embeds, position_ids, attention_mask = self.vision.splice(
+                input_ids, inputs_embeds, images, position_ids, attention_mask, past_key_values, past_length
+            )
+        elif images is not None:
+            raise ValueError("images were given, but this model has no vision tower (its config has no "
+                             "vision_config): load a GLM-4V checkpoint such as glm-4v-9b.")
         query_length = inputs_embeds.shape[1]
 
         query_positions = (torch.arange(query_length, device=embedding_device) + past_length)[None]
@@ -1535,13 +1551,16 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         return_dict: Optional[bool] = None,
         return_last_logit: Optional[bool] = False,
         logits_to_keep: Union[int, torch.Tensor] = 0,
+        images: Optional[torch.Tensor] = None,
         **loss_kwargs,  # the Trainer of 4.46-4.48 passes num_items_in_batch only to a `**loss_kwargs` by that name
     ):
         """`labels` give the causal-LM loss in fp32, as transformers' ForCausalLMLoss computes it: shifted left, or
         `shift_labels` already shifted (sequence / context parallelism; the loss is computed from either);
         `ignore_index` (-100) marks positions without a target; `num_items_in_batch` (from the Trainer) makes it a sum
         divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of the last positions only.
-        Other keyword arguments go to the base model (and from there to the attention kernel)."""
+        `images` (GLM-4V, see ChatGLMModel.forward): the logits have a row per image row, and token-layout labels are
+        mapped to those rows (-100 on the image). Other keyword arguments go to the base model (and from there to the
+        attention kernel)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         loss_args = {name: loss_kwargs.pop(name) for name in ("num_items_in_batch", "shift_labels", "ignore_index")
                      if name in loss_kwargs}
@@ -1549,7 +1568,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            **loss_kwargs,
+            images=images, **loss_kwargs,
         )
         hidden_states = outputs.last_hidden_state
         if return_last_logit:
@@ -1564,6 +1583,11 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         logits = output_layer(device_boundary(hidden_states, execution_device(output_layer)))
 
         loss = None
+        if images is not None:  # GLM-4V: token-layout targets to the logits' rows (-100 on the image)
+            labels = self.transformer.vision.labels_in_rows(input_ids, labels)
+            if loss_args.get("shift_labels") is not None:
+                loss_args["shift_labels"] = self.transformer.vision.labels_in_rows(
+                    input_ids, loss_args["shift_labels"], shifted=True)
         if labels is not None or loss_args.get("shift_labels") is not None:
             loss = self.lm_loss(logits, labels, **loss_args)
         if not return_dict:
@@ -1635,7 +1659,8 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
     if position_ids is not None:
         model_inputs["position_ids"] = position_ids[:, -cache_position.shape[0]:]
     model_inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
-    model_inputs.update({k: v for k, v in kwargs.items() if k in ("output_attentions", "output_hidden_states")})
+    model_inputs.update({k: v for k, v in kwargs.items()
+                         if k in ("output_attentions", "output_hidden_states", "images")})
     return model_inputs
 
 
