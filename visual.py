@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache
 
 from .modeling_chatglm import ChatGLMModel, device_boundary, execution_device
 
@@ -270,6 +271,7 @@ class EVA2CLIPModel(nn.Module):
             text_positions = (torch.arange(query_length, device=inputs_embeds.device) + text_past)[None]
             position_ids = ChatGLMModel.default_position_ids(token_mask, text_positions, query_length)
         if layout is not None:
+            check_rows_fit(past_key_values, attention_mask)
             check_padding_before_images(token_mask, layout, text_past)
             features = device_boundary(self(images), inputs_embeds.device).to(inputs_embeds.dtype)
             feature_rows = layout.feature_rows(features.shape[1]).unsqueeze(-1).expand(-1, -1, features.shape[-1])
@@ -378,6 +380,19 @@ def rows_added_before(past_key_values, attention_mask, row_length: int) -> Optio
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] < row_length:
         return row_length - attention_mask.shape[-1]
     return 0
+
+
+def check_rows_fit(past_key_values, attention_mask):
+    """Image rows need a cache that grows and a mask that can be mapped to rows."""
+    if past_key_values is not None and not isinstance(past_key_values, DynamicCache):
+        raise ValueError(
+            f"images cannot go into a {type(past_key_values).__name__}: a preallocated cache is sized by token count, "
+            "and an image adds rows (N - 1 beyond its three tokens). Use the default dynamic cache (no "
+            "cache_implementation='static' in generate) for prompts with images."
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError("images take the 2D attention_mask of the tokens (batch x tokens, 1 = token, 0 = padding), "
+                         f"not a {attention_mask.dim()}D mask: the model maps it to the image rows.")
 
 
 def check_padding_before_images(attention_mask, layout: ImageRows, text_past: int):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # The files a user copies over a downloaded checkpoint (the demo and the tests read this list too).
-CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py", "parallel_chatglm.py")
+CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py", "parallel_chatglm.py",
+              "visual.py")
 # A key every ChatGLM2/3 and GLM-4 checkpoint has, and what other families have instead.
 FAMILY_KEY = "transformer.encoder.layers.0.self_attention.query_key_value.weight"
 FIRST_GENERATION_KEY = "transformer.layers.0.attention.query_key_value.weight"
