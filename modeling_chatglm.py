@@ -209,8 +209,9 @@ def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
     return source, commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
-# Files of this repository used only by an optional capability (tensor parallelism), loaded on demand.
-COMPANION_FILES = ("parallel_chatglm",)
+# Files of this repository used only by an optional capability, loaded on demand: tensor parallelism, and GLM-4V's
+# vision tower (visual.py, for a config with vision_config).
+COMPANION_FILES = ("parallel_chatglm", "visual")
 
 
 def find_companion(name: str, config=None, checkpoint=None) -> Optional[Path]:
@@ -254,6 +255,19 @@ def import_companion(name: str, config=None, checkpoint=None):
     shutil.copyfile(found, Path(__file__).with_name(found.name))
     importlib.invalidate_caches()
     return importlib.import_module(module_name)
+
+
+def vision_tower(config) -> nn.Module:
+    """GLM-4V's vision tower, from this repository's visual.py (glm-4v-9b ships a visual.py of its own)."""
+    visual = import_companion("visual", config)
+    if not hasattr(getattr(visual, "EVA2CLIPModel", None), "splice"):
+        raise ImportError(
+            f"{visual.__file__} is not this repository's visual.py (glm-4v-9b's original has the same name): copy "
+            "visual.py from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
+            "modeling_chatglm.py (tools/install_into_checkpoint.py installs every file), and delete the stale copy "
+            "if it sits in the transformers modules cache."
+        )
+    return visual.EVA2CLIPModel(config)
 
 
 def is_compiling() -> bool:
@@ -453,12 +467,14 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
         raise ValueError("balanced_device_map needs at least one device")
     vocab_weights = config.padded_vocab_size * config.hidden_size
     block = block_parameter_count(config)
-    items = (["transformer.embedding"] + [f"transformer.encoder.layers.{i}" for i in range(config.num_layers)]
-             + ["transformer.output_layer"])
-    sizes = [vocab_weights] + [block] * config.num_layers + [vocab_weights]
-    share = sum(sizes) / len(devices)
+    pieces = ([("transformer.embedding", vocab_weights)]
+              + [(f"transformer.encoder.layers.{i}", block) for i in range(config.num_layers)]
+              + [("transformer.output_layer", vocab_weights)])
+    if getattr(config, "vision_config", None):  # GLM-4V: the vision tower computes first
+        pieces = [("transformer.vision", import_companion("visual", config).parameter_count(config))] + pieces
+    share = sum(size for _, size in pieces) / len(devices)
     device_map, start = {}, 0
-    for name, size in zip(items, sizes):
+    for name, size in pieces:
         device_map[name] = devices[min(len(devices) - 1, int((start + size / 2) // share))]
         start += size
     device_map["transformer.rotary_pos_emb"] = device_map["transformer.embedding"]
@@ -502,8 +518,9 @@ def check_device_map(model: nn.Module, device_map: dict):
     unknown = [entry for entry in device_map if not any(covers(entry, name) for name in names)]
     block_devices = {}
     for name, device in placed.items():
-        if name.startswith("transformer.encoder.layers.") and device is not None:
-            block_devices.setdefault(".".join(name.split(".")[:4]), set()).add(device)
+        for blocks in ("transformer.encoder.layers.", "transformer.vision.transformer.layers."):  # GLM-4V's vision
+            if name.startswith(blocks) and device is not None:
+                block_devices.setdefault(blocks + name[len(blocks):].split(".")[0], set()).add(device)
     split = [block for block, devices in block_devices.items() if len(devices) > 1]
     if not (missing or unknown or split):
         return
@@ -515,7 +532,8 @@ def check_device_map(model: nn.Module, device_map: dict):
         problems.append("it names modules this model does not have: " + ", ".join(unknown[:8])
                         + (", ..." if len(unknown) > 8 else ""))
     if split:
-        problems.append("it splits blocks across entries (each GLMBlock must sit on one device): " + ", ".join(split))
+        problems.append("it splits blocks across entries (each GLMBlock, and each vision block of GLM-4V, must sit on "
+                        "one device): " + ", ".join(split))
     raise ValueError(
         "device_map does not fit this ChatGLM2/3 / GLM-4 model: " + "; ".join(problems) + ". Use "
         "device_map='auto' (or 'balanced', 'sequential' with max_memory), or build a complete map with "
@@ -907,10 +925,14 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         config = kwargs.get("config")
         if isinstance(config, cls.config_class):
             return config
-        return cls.config_class.from_pretrained(
+        config = cls.config_class.from_pretrained(
             pretrained_model_name_or_path,
             **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs},
         )
+        # Where the code files come from, as from_pretrained records it (config.json may name another repository):
+        # GLM-4V's model, built for the device-map check, imports visual.py from there.
+        config._name_or_path = str(pretrained_model_name_or_path)
+        return config
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, which writes the code files it saw imported; the companion files are
@@ -1071,8 +1093,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         # GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower of visual.py, whose image rows enter through `splice`.
-        self.vision = import_companion("visual", config).EVA2CLIPModel(config) \
-            if getattr(config, "vision_config", None) else None
+        self.vision = vision_tower(config) if getattr(config, "vision_config", None) else None
         self.post_init()
         if device is not None:
             self.to(device)

@@ -102,6 +102,17 @@ class VisionSizes:
         return (self.grid // 2) ** 2
 
 
+def parameter_count(config) -> int:
+    """The vision tower's parameters, for balanced_device_map of modeling_chatglm.py (which keeps the tower whole on
+    one device: its boi/eoi rows are parameters of the tower itself, which accelerate's maps cannot name alone)."""
+    sizes, hidden = VisionSizes.from_config(config), config.hidden_size
+    width = sizes.hidden_size
+    layer = 4 * width * width + 2 * width * sizes.intermediate_size
+    patches = (sizes.num_positions + sizes.in_channels * sizes.patch_size ** 2) * width
+    projection = 4 * width * hidden + hidden * hidden + 3 * hidden * config.ffn_hidden_size
+    return patches + sizes.num_layers * layer + projection + 2 * hidden
+
+
 # ======================================================================================================================
 # EVA2-CLIP vision tower (bidirectional ViT, post-norm residual blocks)
 # ======================================================================================================================

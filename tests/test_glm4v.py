@@ -39,6 +39,42 @@ def test_original_checkpoint_loads_with_every_key(glm4v_golden):
     assert type(model.transformer.vision).__name__ == "EVA2CLIPModel"
 
 
+def original_folder_with_our_files(case, folder, visual_source=None):
+    """The golden checkpoint as a glm-4v-9b user has it (the original configuration class: GLM-4's fields, the
+    vision fields read from config.json), with our modeling_chatglm.py and visual.py (or `visual_source`)."""
+    import shutil
+
+    from conftest import REPO
+    from original_code import original_configuration_source
+
+    folder.mkdir()
+    for path in case.folder.iterdir():
+        if path.suffix != ".py":
+            shutil.copy(path, folder / path.name)
+    (folder / "configuration_chatglm.py").write_text(original_configuration_source("glm4"))
+    shutil.copy(REPO / "modeling_chatglm.py", folder / "modeling_chatglm.py")
+    (folder / "visual.py").write_text(visual_source or (REPO / "visual.py").read_text())
+    return folder
+
+
+def test_modeling_and_visual_copied_over_the_original_files(glm4v_golden, tmp_path):
+    case = glm4v_golden["glm4v-tiny-text"]
+    model = load_causal_lm(original_folder_with_our_files(case, tmp_path / "glm4v_two_files"),
+                           attn_implementation="eager")
+    assert not hasattr(type(model.config), "validate_chatglm") and model.transformer.vision is not None
+    e = case.expected
+    with torch.no_grad():
+        logits = model(input_ids=e["input_ids"][None]).logits[0]
+    assert_logits_close(logits, e["logits"])
+
+
+def test_the_original_visual_py_beside_our_modeling_file_is_named(glm4v_golden, tmp_path):
+    stand_in = "class EVA2CLIPModel:  # glm-4v-9b's own visual.py has this class, not ours\n    pass\n"
+    folder = original_folder_with_our_files(glm4v_golden["glm4v-tiny"], tmp_path / "glm4v_old_visual", stand_in)
+    with pytest.raises(ImportError, match=r"visual\.py is not this repository's visual\.py"):
+        load_causal_lm(folder)
+
+
 @pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.matrix_ends)])
 def test_forward_with_an_image_matches_golden(glm4v_golden, attn):
     """One forward (1600 image rows): the vision tower's rows, the positions the rotary table gets (boi keeps its
