@@ -204,13 +204,19 @@ def test_left_padded_image_batch_equals_each_sequence_alone(tiny_glm4v, attn):
 
 
 def test_left_padded_image_batch_generates_each_sequences_tokens(tiny_glm4v):
+    """Also with the tokenizer's position_ids (0 on padding, then counting the tokens), as `generate(**inputs)`
+    passes them."""
     model = tiny_glm4v(seed=3)
     prompts, ids, mask, images = image_batch([2, 8, 5], seed=4)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         batch = model.generate(ids, attention_mask=mask, images=images, max_new_tokens=6, **GREEDY)
+        with_positions = model.generate(ids, attention_mask=mask, position_ids=positions, images=images,
+                                        max_new_tokens=6, **GREEDY)
         for row, prompt in enumerate(prompts):
             alone = model.generate(torch.tensor([prompt]), images=images[row:row + 1], max_new_tokens=6, **GREEDY)
             assert batch[row, ids.shape[1]:].tolist() == alone[0, len(prompt):].tolist()
+    assert with_positions.tolist() == batch.tolist()
 
 
 def test_left_padded_text_batch_generates_and_trains(tiny_glm4v):
