@@ -7,7 +7,7 @@ models never import it. Module names and state-dict keys are the original's (`tr
 
 Two coordinate systems. Users pass what the GLM-4V tokenizer makes: ids with one image placeholder
 (`<|begin_of_image|> <|endoftext|> <|end_of_image|>`), and an attention mask, position ids and labels with one entry
-per token (the *token layout*). The language model sees *rows*: the image's N + 2 feature rows (boi, N patches, eoi)
+per token (the *token layout*). The language model sees *rows*: the image's N + 2 feature rows (boi, N image rows, eoi)
 replace those three tokens, so a sequence of L tokens is L + N - 1 rows, and its KV cache holds rows. Every
 token-layout tensor is mapped to rows by repeating the placeholder's entry N times (`ImageRows.expand`): all image
 rows share one position, as in the original, the text after the image keeps its token positions, and a cached step
@@ -269,8 +269,12 @@ class EVA2CLIPModel(nn.Module):
         attention_mask); text without an image passes through unchanged."""
         query_length = inputs_embeds.shape[1]
         added_before = rows_added_before(past_key_values, attention_mask, past_length + query_length)
-        layout = self.locate(input_ids, images, past_length) if images is not None and not added_before else None
-        if past_key_values is not None and (layout is not None or added_before is None):
+        layout = None
+        if images is not None and not added_before:  # one image per sequence: later images are generate()'s repeats
+            layout = self.locate(input_ids, images, past_length)
+            if layout is not None:
+                check_rows_fit(past_key_values, attention_mask)
+        if past_key_values is not None and (layout is not None or added_before is None):  # for the later steps
             setattr(past_key_values, CACHE_ATTRIBUTE, (added_before or 0) + (layout.added if layout else 0))
         if layout is None and not added_before:
             return inputs_embeds, position_ids, attention_mask
@@ -282,7 +286,6 @@ class EVA2CLIPModel(nn.Module):
             text_positions = (torch.arange(query_length, device=inputs_embeds.device) + text_past)[None]
             position_ids = ChatGLMModel.default_position_ids(token_mask, text_positions, query_length)
         if layout is not None:
-            check_rows_fit(past_key_values, attention_mask)
             check_padding_before_images(token_mask, layout, text_past)
             features = device_boundary(self(images), inputs_embeds.device).to(inputs_embeds.dtype)
             feature_rows = layout.feature_rows(features.shape[1]).unsqueeze(-1).expand(-1, -1, features.shape[-1])

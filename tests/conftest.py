@@ -201,13 +201,18 @@ def tiny_model(chatglm):
     """tiny_model(family, seed=0, **config_overrides) -> an fp32 ChatGLMForConditionalGeneration in eval mode."""
 
     def build(family: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides):
-        config = chatglm.ChatGLMConfig(**tiny_config_dict(family, **overrides))
-        config._attn_implementation = attn_implementation
-        torch.manual_seed(seed)
-        model = chatglm.modeling.ChatGLMForConditionalGeneration(config)
-        return randomize_(model, seed).eval()
+        return random_model(chatglm, tiny_config_dict(family, **overrides), seed, attn_implementation)
 
     return build
+
+
+def random_model(chatglm, config_dict: dict, seed: int, attn_implementation: str):
+    """An fp32 ChatGLMForConditionalGeneration of our code in eval mode, with randomize_ weights."""
+    config = chatglm.ChatGLMConfig(**config_dict)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = chatglm.modeling.ChatGLMForConditionalGeneration(config)
+    return randomize_(model, seed).eval()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -249,11 +254,7 @@ def tiny_glm4v(chatglm):
     """tiny_glm4v(seed=0, image_size=8, attn_implementation="sdpa", **config_overrides) -> an fp32 GLM-4V model."""
 
     def build(seed: int = 0, image_size: int = 8, attn_implementation: str = "sdpa", **overrides):
-        config = chatglm.ChatGLMConfig(**tiny_glm4v_config_dict(image_size, **overrides))
-        config._attn_implementation = attn_implementation
-        torch.manual_seed(seed)
-        model = chatglm.modeling.ChatGLMForConditionalGeneration(config)
-        return randomize_(model, seed).eval()
+        return random_model(chatglm, tiny_glm4v_config_dict(image_size, **overrides), seed, attn_implementation)
 
     return build
 
