@@ -39,6 +39,23 @@ def test_install_backs_up_the_original_code_and_the_checkpoint_then_loads(tmp_pa
     torch.testing.assert_close(logits, expected["seq_0_logits"], atol=1e-4, rtol=1e-4)
 
 
+def test_install_into_a_glm4v_checkpoint_replaces_its_visual_py(tmp_path):
+    """glm-4v-9b ships a visual.py of its own: it is backed up like the other original files, and ours loads."""
+    folder = downloaded_checkpoint(tmp_path, "glm4v-tiny-text", "downloaded_glm4v")
+    (folder / "visual.py").write_text("# the original visual.py\n")
+    subprocess.run(INSTALL + [str(folder)], check=True, capture_output=True)
+    [backup] = folder.glob("original_code_backup_*")
+    assert (backup / "visual.py").read_text() == "# the original visual.py\n"
+    assert (folder / "visual.py").read_text() == (REPO / "visual.py").read_text()
+    from safetensors.torch import load_file
+
+    expected = load_file(str(shared_path("golden", "glm4v-tiny-text", "expected.safetensors")))
+    model = load_causal_lm(folder, attn_implementation="eager")
+    with torch.no_grad():
+        logits = model(input_ids=expected["input_ids"][None]).logits[0]
+    torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=1e-4)
+
+
 def test_install_never_writes_through_hub_cache_symlinks(tmp_path):
     folder = downloaded_checkpoint(tmp_path)
     blob = tmp_path / "blob_modeling"
