@@ -102,6 +102,14 @@ class VisionSizes:
         return (self.grid // 2) ** 2
 
 
+def image_token_ids(config):
+    boi, eoi = getattr(config, "boi_token_id", None), getattr(config, "eoi_token_id", None)
+    if boi is None or eoi is None:
+        raise ValueError("A config with vision_config needs boi_token_id and eoi_token_id (the ids of "
+                         "<|begin_of_image|> and <|end_of_image|>; 151339 and 151340 in glm-4v-9b).")
+    return boi, eoi
+
+
 def parameter_count(config) -> int:
     """The vision tower's parameters, for balanced_device_map of modeling_chatglm.py (which keeps the tower whole on
     one device: its boi/eoi rows are parameters of the tower itself, which accelerate's maps cannot name alone)."""
@@ -339,14 +347,6 @@ class EVA2CLIPModel(nn.Module):
         feature_rows = layout.feature_rows(self.image_tokens + 2)
         image_rows = feature_rows[:, :-2] if shifted else feature_rows[:, 1:-1]
         return layout.expand(labels).scatter(1, device_boundary(image_rows, labels.device), -100)
-
-
-def image_token_ids(config):
-    boi, eoi = getattr(config, "boi_token_id", None), getattr(config, "eoi_token_id", None)
-    if boi is None or eoi is None:
-        raise ValueError("A config with vision_config needs boi_token_id and eoi_token_id (the ids of "
-                         "<|begin_of_image|> and <|end_of_image|>; 151339 and 151340 in glm-4v-9b).")
-    return boi, eoi
 
 
 # ======================================================================================================================
