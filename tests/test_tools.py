@@ -30,13 +30,18 @@ def test_install_backs_up_the_original_code_and_the_checkpoint_then_loads(tmp_pa
         "configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py"]
     assert (backup / "modeling_chatglm.py").read_text() == "# the original modeling_chatglm.py\n"
     assert (folder / "modeling_chatglm.py").read_text() == (REPO / "modeling_chatglm.py").read_text()
+    assert_golden_logits(folder, "glm4-chat-tiny", "seq_0_input_ids", "seq_0_logits")
+
+
+def assert_golden_logits(folder, case, ids_name, logits_name):
+    """The installed folder loads and gives the golden case's logits for those ids."""
     from safetensors.torch import load_file
 
-    expected = load_file(str(shared_path("golden", "glm4-chat-tiny", "expected.safetensors")))
+    expected = load_file(str(shared_path("golden", case, "expected.safetensors")))
     model = load_causal_lm(folder, attn_implementation="eager")
     with torch.no_grad():
-        logits = model(input_ids=expected["seq_0_input_ids"][None]).logits[0]
-    torch.testing.assert_close(logits, expected["seq_0_logits"], atol=1e-4, rtol=1e-4)
+        logits = model(input_ids=expected[ids_name][None]).logits[0]
+    torch.testing.assert_close(logits, expected[logits_name], atol=1e-4, rtol=1e-4)
 
 
 def test_install_into_a_glm4v_checkpoint_replaces_its_visual_py(tmp_path):
@@ -47,13 +52,7 @@ def test_install_into_a_glm4v_checkpoint_replaces_its_visual_py(tmp_path):
     [backup] = folder.glob("original_code_backup_*")
     assert (backup / "visual.py").read_text() == "# the original visual.py\n"
     assert (folder / "visual.py").read_text() == (REPO / "visual.py").read_text()
-    from safetensors.torch import load_file
-
-    expected = load_file(str(shared_path("golden", "glm4v-tiny-text", "expected.safetensors")))
-    model = load_causal_lm(folder, attn_implementation="eager")
-    with torch.no_grad():
-        logits = model(input_ids=expected["input_ids"][None]).logits[0]
-    torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=1e-4)
+    assert_golden_logits(folder, "glm4v-tiny-text", "input_ids", "logits")
 
 
 def test_install_never_writes_through_hub_cache_symlinks(tmp_path):
