@@ -656,7 +656,8 @@ def packed_sequence_ids(position_ids: Optional[torch.Tensor], attention_mask, pa
         return None
     if attention_mask is not None and attention_mask.dim() == 4:
         return None
-    restarts = torch.diff(position_ids, dim=-1, prepend=position_ids[..., :1] - 1) != 1
+    steps = torch.diff(position_ids, dim=-1, prepend=position_ids[..., :1] - 1)
+    restarts = (steps != 1) & ~((steps == 0) & (position_ids > 0))  # GLM-4V's image rows share one position
     sequence_ids = restarts.cumsum(-1)
     if not is_compiling() and not bool(sequence_ids[..., -1].any()):
         return None
@@ -1021,8 +1022,9 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
                     or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
                 refuse("attention_mask", attention_mask, f"a custom 4D mask [{batch}, 1, {length}, {columns}] of bool "
                        "(True: attend) or float (0 or -inf, added to the scores)")
-        elif attention_mask.dim() != 2 or attention_mask.shape[0] != batch \
-                or (isinstance(past, int) and attention_mask.shape[1] != past + length):
+        elif attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
+                isinstance(past, int) and attention_mask.shape[1] != past + length
+                and getattr(model, "vision", None) is None):  # GLM-4V: columns per token or per row (its seam checks)
             refuse("attention_mask", attention_mask, f"[batch, cached + new tokens] = [{batch}, {columns}] (or a "
                    "custom 4D mask)")
     if position_ids is not None:

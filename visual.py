@@ -285,7 +285,7 @@ class EVA2CLIPModel(nn.Module):
         if past_key_values is not None and (layout is not None or added_before is None):  # for the later steps
             setattr(past_key_values, CACHE_ATTRIBUTE, (added_before or 0) + (layout.added if layout else 0))
         if layout is None and not added_before:
-            return inputs_embeds, position_ids, attention_mask
+            return inputs_embeds, position_ids, check_mask_covers(attention_mask, past_length, query_length, 0)
 
         added_before = added_before or 0
         text_past = past_length - added_before
@@ -305,7 +305,8 @@ class EVA2CLIPModel(nn.Module):
             # itself, since no padding sits between them (checked when the image was spliced).
             first_real = token_mask.long().argmax(-1)
             attention_mask = ImageRows(first_real, added_before + (layout.added if layout else 0)).expand(token_mask)
-        return inputs_embeds, position_ids, attention_mask
+        return inputs_embeds, position_ids, check_mask_covers(attention_mask, past_length, inputs_embeds.shape[1],
+                                                              inputs_embeds.shape[1] - query_length + added_before)
 
     def locate(self, input_ids, images, past_length: int) -> Optional["ImageRows"]:
         """Where this step's images go: one image per sequence, between its boi and eoi tokens. None for a cached
@@ -394,6 +395,19 @@ def rows_added_before(past_key_values, attention_mask, row_length: int) -> Optio
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] < row_length:
         return row_length - attention_mask.shape[-1]
     return 0
+
+
+def check_mask_covers(attention_mask, past_rows: int, new_rows: int, image_rows: int):
+    """A 2D mask, once mapped, has a column per cached and new row (it was given per token, or per row by hand);
+    `image_rows`: how many more rows than tokens the sequence has."""
+    rows = past_rows + new_rows if isinstance(past_rows, int) else None
+    if attention_mask is not None and attention_mask.dim() == 2 and rows is not None \
+            and attention_mask.shape[-1] != rows:
+        expected = f"{rows - image_rows}, as the tokenizer and generate() make it, or one per row of the model " \
+                   f"({rows}, the image's rows included)" if image_rows else f"{rows}"
+        raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns; it must have one per token, cached "
+                         f"and new ({expected}).")
+    return attention_mask
 
 
 def check_rows_fit(past_key_values, attention_mask):

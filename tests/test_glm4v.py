@@ -396,6 +396,18 @@ def test_images_with_a_static_cache_or_inputs_embeds_are_refused(tiny_glm4v):
         model(inputs_embeds=model.get_input_embeddings()(ids), images=images)
 
 
+def test_a_mask_of_the_wrong_length_names_both_layouts(tiny_glm4v):
+    model = tiny_glm4v()
+    ids, images = torch.tensor([IMAGE_PROMPT]), random_images(1, 8, 0)
+    with torch.no_grad():
+        prefill = model(input_ids=ids, images=images, use_cache=True)
+        with pytest.raises(ValueError, match=r"one per token, cached and new \(11, .* one per row .*\(14, "):
+            model(input_ids=torch.tensor([[7]]), attention_mask=torch.ones(1, 5, dtype=torch.long),
+                  past_key_values=prefill.past_key_values)
+        with pytest.raises(ValueError, match=r"one per token, cached and new \(3\)"):
+            model(input_ids=torch.tensor([[7, 8, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long))
+
+
 def test_images_for_a_text_model_are_refused(tiny_model):
     with pytest.raises(ValueError, match="no vision tower"):
         tiny_model("glm4")(input_ids=torch.tensor([[5, 6]]), images=random_images(1, 8, 0))
