@@ -269,6 +269,18 @@ def test_loss_is_right_for_any_image_size_and_padding(tiny_glm4v, image_size):
     torch.testing.assert_close(out.loss, torch.cat(terms).mean(), atol=1e-5, rtol=1e-5)
 
 
+def test_shift_labels_with_an_image_give_the_same_loss(tiny_glm4v):
+    """Labels already shifted (sequence / context parallelism) are mapped to the rows too."""
+    model = tiny_glm4v(seed=15)
+    _, ids, mask, images = image_batch([3, 6], seed=15)
+    labels = ids.masked_fill(mask == 0, -100)
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, images=images, labels=labels).loss
+        by_shifted = model(input_ids=ids, attention_mask=mask, images=images, shift_labels=shifted).loss
+    torch.testing.assert_close(by_shifted, plain)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Cache API; masks in tokens or in rows
 # ----------------------------------------------------------------------------------------------------------------------
