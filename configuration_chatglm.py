@@ -3,6 +3,9 @@
 Every field of the original checkpoints' `config.json` is accepted under its original name. Two aliases make the
 config readable by code written for modern transformers models: `num_hidden_layers` is `num_layers` and
 `vocab_size` is `padded_vocab_size` (ChatGLM3 configs have no `num_hidden_layers`, which the Cache classes read).
+
+GLM-4V (glm-4v-9b) configs add `vision_config` (the EVA2-CLIP tower's sizes, with `image_size`, `patch_size` and
+`scaling_factor`), `boi_token_id` and `eoi_token_id`; they are kept as given and written back on save.
 """
 
 from transformers import PretrainedConfig
@@ -214,3 +217,19 @@ class ChatGLMConfig(PretrainedConfig):
                 "the first half of each head as pairs of channels."
             )
         reject_rope_fields(dict(vars(self)), self.rope_ratio)
+        self.validate_vision_fields()
+
+    def validate_vision_fields(self):
+        """GLM-4V: vision_config is a dict of the tower's sizes (checked in full when the tower is built), and the
+        image token ids are vocabulary ids."""
+        vision_config = getattr(self, "vision_config", None)
+        if vision_config is None:
+            return
+        if not isinstance(vision_config, dict):
+            raise ValueError(f"ChatGLMConfig.vision_config must be a dict (as in glm-4v-9b's config.json), got "
+                             f"{type(vision_config).__name__}.")
+        for name in ("boi_token_id", "eoi_token_id"):
+            value = getattr(self, name, None)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.padded_vocab_size:
+                raise ValueError(f"ChatGLMConfig.{name} must be a token id below padded_vocab_size "
+                                 f"({self.padded_vocab_size}) in a config with vision_config, got {value!r}.")

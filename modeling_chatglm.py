@@ -227,8 +227,9 @@ def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
     return source, commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
-# Files of this repository used only by an optional capability (tensor parallelism), loaded on demand.
-COMPANION_FILES = ("parallel_chatglm",)
+# Files of this repository used only by an optional capability, loaded on demand: tensor parallelism, and GLM-4V's
+# vision tower (visual.py, for a config with vision_config).
+COMPANION_FILES = ("parallel_chatglm", "visual")
 
 
 def find_companion(name: str, config=None, checkpoint=None) -> Optional[Path]:
@@ -272,6 +273,19 @@ def import_companion(name: str, config=None, checkpoint=None):
     shutil.copyfile(found, Path(__file__).with_name(found.name))
     importlib.invalidate_caches()
     return importlib.import_module(module_name)
+
+
+def vision_tower(config) -> nn.Module:
+    """GLM-4V's vision tower, from this repository's visual.py (glm-4v-9b ships a visual.py of its own)."""
+    visual = import_companion("visual", config)
+    if not hasattr(getattr(visual, "EVA2CLIPModel", None), "splice"):
+        raise ImportError(
+            f"{visual.__file__} is not this repository's visual.py (glm-4v-9b's original has the same name): copy "
+            "visual.py from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
+            "modeling_chatglm.py (tools/install_into_checkpoint.py installs every file), and delete the stale copy "
+            "if it sits in the transformers modules cache."
+        )
+    return visual.EVA2CLIPModel(config)
 
 
 def is_compiling() -> bool:
@@ -467,12 +481,14 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
         raise ValueError("balanced_device_map needs at least one device")
     vocab_weights = config.padded_vocab_size * config.hidden_size
     block = block_parameter_count(config)
-    items = (["transformer.embedding"] + [f"transformer.encoder.layers.{i}" for i in range(config.num_layers)]
-             + ["transformer.output_layer"])
-    sizes = [vocab_weights] + [block] * config.num_layers + [vocab_weights]
-    share = sum(sizes) / len(devices)
+    pieces = ([("transformer.embedding", vocab_weights)]
+              + [(f"transformer.encoder.layers.{i}", block) for i in range(config.num_layers)]
+              + [("transformer.output_layer", vocab_weights)])
+    if getattr(config, "vision_config", None):  # GLM-4V: the vision tower computes first
+        pieces = [("transformer.vision", import_companion("visual", config).parameter_count(config))] + pieces
+    share = sum(size for _, size in pieces) / len(devices)
     device_map, start = {}, 0
-    for name, size in zip(items, sizes):
+    for name, size in pieces:
         device_map[name] = devices[min(len(devices) - 1, int((start + size / 2) // share))]
         start += size
     device_map["transformer.rotary_pos_emb"] = device_map["transformer.embedding"]
@@ -518,8 +534,9 @@ def check_device_map(model: nn.Module, device_map: dict):
     unknown = [entry for entry in device_map if not any(covers(entry, name) for name in names)]
     block_devices = {}
     for name, device in placed.items():
-        if name.startswith("transformer.encoder.layers.") and device is not None:
-            block_devices.setdefault(".".join(name.split(".")[:4]), set()).add(device)
+        for blocks in ("transformer.encoder.layers.", "transformer.vision.transformer.layers."):  # GLM-4V's vision
+            if name.startswith(blocks) and device is not None:
+                block_devices.setdefault(blocks + name[len(blocks):].split(".")[0], set()).add(device)
     split = [block for block, devices in block_devices.items() if len(devices) > 1]
     if not (missing or unknown or split):
         return
@@ -531,7 +548,8 @@ def check_device_map(model: nn.Module, device_map: dict):
         problems.append("it names modules this model does not have: " + ", ".join(unknown[:8])
                         + (", ..." if len(unknown) > 8 else ""))
     if split:
-        problems.append("it splits blocks across entries (each GLMBlock must sit on one device): " + ", ".join(split))
+        problems.append("it splits blocks across entries (each GLMBlock, and each vision block of GLM-4V, must sit on "
+                        "one device): " + ", ".join(split))
     raise ValueError(
         "device_map does not fit this ChatGLM2/3 / GLM-4 model: " + "; ".join(problems) + ". Use "
         "device_map='auto' (or 'balanced', 'sequential' with max_memory), or build a complete map with "
@@ -654,7 +672,8 @@ def packed_sequence_ids(position_ids: Optional[torch.Tensor], attention_mask, pa
         return None
     if attention_mask is not None and attention_mask.dim() == 4:
         return None
-    restarts = torch.diff(position_ids, dim=-1, prepend=position_ids[..., :1] - 1) != 1
+    steps = torch.diff(position_ids, dim=-1, prepend=position_ids[..., :1] - 1)
+    restarts = (steps != 1) & ~((steps == 0) & (position_ids > 0))  # GLM-4V's image rows share one position
     sequence_ids = restarts.cumsum(-1)
     if not is_compiling() and not bool(sequence_ids[..., -1].any()):
         return None
@@ -1195,7 +1214,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     base_model_prefix = "transformer"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["GLMBlock"]
+    _no_split_modules = ["GLMBlock", "TransformerLayer"]  # TransformerLayer: GLM-4V's vision blocks
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn_2 = True  # 4.x name
@@ -1263,10 +1282,14 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         config = kwargs.get("config")
         if isinstance(config, transformers.PretrainedConfig):  # 5.x: AutoConfig's class is another module's copy
             return config
-        return cls.config_class.from_pretrained(
+        config = cls.config_class.from_pretrained(
             pretrained_model_name_or_path,
             **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs},
         )
+        # Where the code files come from, as from_pretrained records it (config.json may name another repository):
+        # GLM-4V's model, built for the device-map check, imports visual.py from there.
+        config._name_or_path = str(pretrained_model_name_or_path)
+        return config
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, which writes the code files it saw imported; the companion files are
@@ -1287,11 +1310,11 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         """Random weights for models built from a config (the original left them uninitialised)."""
         std = getattr(self.config, "initializer_range", 0.02)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
             weight_init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 weight_init.zeros_(module.bias)
-        elif isinstance(module, (RMSNorm, LayerNorm)):
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
             weight_init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 weight_init.zeros_(module.bias)
@@ -1300,6 +1323,9 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
                 weight_init.copy_(module.inv_freq, module.checkpoint_inv_freq())
             else:
                 module.inv_freq.data.copy_(module.checkpoint_inv_freq())
+        else:  # parameters a module holds itself: GLM-4V's class, begin- and end-of-image rows
+            for param in module.parameters(recurse=False):
+                weight_init.normal_(param, mean=0.0, std=std)
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
@@ -1353,8 +1379,9 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
                     or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
                 refuse("attention_mask", attention_mask, f"a custom 4D mask [{batch}, 1, {length}, {columns}] of bool "
                        "(True: attend) or float (0 or -inf, added to the scores)")
-        elif attention_mask.dim() != 2 or attention_mask.shape[0] != batch \
-                or (isinstance(past, int) and attention_mask.shape[1] != tokens + length):
+        elif attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
+                isinstance(past, int) and attention_mask.shape[1] != tokens + length
+                and getattr(model, "vision", None) is None):  # GLM-4V: columns per token or per row (its seam checks)
             refuse("attention_mask", attention_mask, f"[batch, cached + new tokens] = [{batch}, {columns}] (or a "
                    "custom 4D mask)" + ("; the model adds the P-tuning v2 prefix's columns itself"
                                         if model.prefix_encoder is not None else ""))
@@ -1426,6 +1453,8 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         self.prefix_encoder = PrefixEncoder(config) if prefix_slots(config) else None  # P-tuning v2 (own section)
+        # GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower of visual.py, whose image rows enter through `splice`.
+        self.vision = vision_tower(config) if getattr(config, "vision_config", None) else None
         train_prefix_only(self)
         self.post_init()
         if device is not None:
@@ -1448,8 +1477,11 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        images: Optional[torch.Tensor] = None,
         **kwargs,
     ):
+        """`images` (GLM-4V): pixels [batch, 3, S, S], one image per sequence, spliced in where its ids hold
+        <|begin_of_image|>; `attention_mask` and `position_ids` then stay in tokens, as the tokenizer makes them."""
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -1483,6 +1515,13 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
                     and not is_compiling():
                 check_token_ids(input_ids, self.config.padded_vocab_size)
             inputs_embeds = self.embedding(input_ids)
+        if self.vision is not None:  # the one seam of GLM-4V: image rows in, token-layout mask and positions to rows
+            inputs_embeds, position_ids, attention_mask = self.vision.splice(
+                input_ids, inputs_embeds, images, position_ids, attention_mask, past_key_values, past_length
+            )
+        elif images is not None:
+            raise ValueError("images were given, but this model has no vision tower (its config has no "
+                             "vision_config): load a GLM-4V checkpoint such as glm-4v-9b.")
         query_length = inputs_embeds.shape[1]
         # A P-tuning v2 prefix leads the cache (own section); positions and a 2-D mask cover the tokens only.
         layer_cache, prefix = enter_prefix(self, past_key_values, inputs_embeds.shape[0], query_length)
@@ -1907,13 +1946,16 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         return_dict: Optional[bool] = None,
         return_last_logit: Optional[bool] = False,
         logits_to_keep: Union[int, torch.Tensor] = 0,
+        images: Optional[torch.Tensor] = None,
         **loss_kwargs,  # the Trainer of 4.46-4.48 passes num_items_in_batch only to a `**loss_kwargs` by that name
     ):
         """`labels` give the causal-LM loss in fp32, as transformers' ForCausalLMLoss computes it: shifted left, or
         `shift_labels` already shifted (sequence / context parallelism; the loss is computed from either);
         `ignore_index` (-100) marks positions without a target; `num_items_in_batch` (from the Trainer) makes it a sum
         divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of the last positions only.
-        Other keyword arguments go to the base model (and from there to the attention kernel)."""
+        `images` (GLM-4V, see ChatGLMModel.forward): the logits have a row per image row, and token-layout labels are
+        mapped to those rows (-100 on the image). Other keyword arguments go to the base model (and from there to the
+        attention kernel)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         loss_args = {name: loss_kwargs.pop(name) for name in ("num_items_in_batch", "shift_labels", "ignore_index")
                      if name in loss_kwargs}
@@ -1921,7 +1963,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            **loss_kwargs,
+            images=images, **loss_kwargs,
         )
         hidden_states = outputs.last_hidden_state
         if return_last_logit:
@@ -1936,6 +1978,11 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         logits = output_layer(device_boundary(hidden_states, execution_device(output_layer)))
 
         loss = None
+        if images is not None:  # GLM-4V: token-layout targets to the logits' rows (-100 on the image)
+            labels = self.transformer.vision.labels_in_rows(input_ids, labels)
+            if loss_args.get("shift_labels") is not None:
+                loss_args["shift_labels"] = self.transformer.vision.labels_in_rows(
+                    input_ids, loss_args["shift_labels"], shifted=True)
         if labels is not None or loss_args.get("shift_labels") is not None:
             loss = self.lm_loss(logits, labels, **loss_args)
         if not return_dict:
@@ -2012,7 +2059,8 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
     if position_ids is not None:
         model_inputs["position_ids"] = position_ids[:, -cache_position.shape[0]:]
     model_inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
-    model_inputs.update({k: v for k, v in kwargs.items() if k in ("output_attentions", "output_hidden_states")})
+    model_inputs.update({k: v for k, v in kwargs.items()
+                         if k in ("output_attentions", "output_hidden_states", "images")})
     return model_inputs
 
 

@@ -665,6 +665,87 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
 
 
 # ======================================================================================================================
+# GLM-4V: a chat with an image (glm-4v-9b's tokenizer; its tokenizer_config.json sets `image_size`)
+# ======================================================================================================================
+
+# The image placeholder the model replaces by the image's rows, and CLIP's pixel normalisation (EVA2-CLIP's).
+IMAGE_PLACEHOLDER = "<|begin_of_image|><|endoftext|><|end_of_image|>"
+IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def image_to_pixels(image, size: int):
+    """A PIL RGB image as GLM-4V's vision input [3, size, size]: bicubic resize to size x size, values scaled to
+    [0, 1], normalised per channel -- the original's torchvision Resize / ToTensor / Normalize, with PIL and torch."""
+    import torch
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"A chat message's 'image' must be a PIL image (PIL.Image.open(path).convert('RGB')), got "
+                        f"{type(image).__name__}.")
+    if image.mode != "RGB":
+        raise ValueError(f"A chat message's 'image' has mode {image.mode!r}; GLM-4V takes RGB images: pass "
+                         "image.convert('RGB') (choose a background first for a transparent image).")
+    if min(image.size) < 1:
+        raise ValueError(f"A chat message's 'image' is empty (size {image.size}).")
+    resized = image.resize((size, size), Image.BICUBIC)
+    pixels = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8).view(size, size, 3)
+    pixels = pixels.permute(2, 0, 1).float().div(255)
+    mean, std = torch.tensor(IMAGE_MEAN), torch.tensor(IMAGE_STD)
+    return pixels.sub(mean[:, None, None]).div(std[:, None, None])
+
+
+def _chat_image(conversation):
+    """The one image of a conversation (a message's 'image'), or None."""
+    images = [message["image"] for message in conversation
+              if isinstance(message, dict) and message.get("image") is not None]
+    if len(images) > 1:
+        raise ValueError(f"A conversation holds {len(images)} images; GLM-4V takes one image per conversation (the "
+                         "original's limit too): keep one, or describe the others in text.")
+    return images[0] if images else None
+
+
+class _ChatImages:
+    """`apply_chat_template` with images, as glm-4v-9b's tokenizer did: a message's `image` (a PIL image) puts the
+    image placeholder in front of its text, and `return_dict=True` adds the pixels as `images` [batch, 3, S, S]
+    (S = `image_size` of tokenizer_config.json), the model's `images` argument."""
+
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        images = [_chat_image(conv) for conv in self._as_conversations(conversation)[0]]
+        encoded = super().apply_chat_template(conversation, *args, **kwargs)
+        if all(image is None for image in images) or not isinstance(encoded, (dict, BatchEncoding)):
+            return encoded
+        if any(image is None for image in images):
+            raise ValueError("Some conversations of this batch hold an image and some do not: GLM-4V takes one "
+                             "image per sequence in a batch with images; batch text-only conversations apart.")
+        import torch
+
+        encoded["images"] = torch.stack([image_to_pixels(image, self._image_size()) for image in images])
+        return encoded
+
+    def _image_size(self) -> int:
+        size = self.init_kwargs.get("image_size")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError("This tokenizer has no image_size, so it cannot prepare images: glm-4v-9b's "
+                             "tokenizer_config.json sets \"image_size\": 1120 (vision_config.image_size of the model); "
+                             "add it there, or pass image_size=... to AutoTokenizer.from_pretrained.")
+        return size
+
+    def _render_chat(self, conversation, *args, **kwargs) -> str:
+        return super()._render_chat([_with_image_placeholder(message) for message in conversation], *args, **kwargs)
+
+
+def _with_image_placeholder(message):
+    """The message with its image replaced by the placeholder tokens in front of its text (written here, after the
+    chat text guard, so that they are the template's control tokens, not user text)."""
+    if not isinstance(message, dict) or message.get("image") is None:
+        return message
+    message = {key: value for key, value in message.items() if key != "image"}
+    message["content"] = IMAGE_PLACEHOLDER + (message.get("content") or "")
+    return message
+
+
+# ======================================================================================================================
 # GLM-4
 # ======================================================================================================================
 
@@ -864,7 +945,7 @@ def _check_unfamiliar_ranks(path: str, ranks: Dict[bytes, int], line_numbers: Li
             raise _damaged_ranks(path, line_numbers[rank], "holds a token that no two tokens of the file join into")
 
 
-class ChatGLM4Tokenizer(_GLMTokenizerBase):
+class ChatGLM4Tokenizer(_ChatImages, _GLMTokenizerBase):
     """GLM-4 tokenizer: tiktoken byte-level BPE (151329 ranks) plus 14 special tokens at ids 151329..151342."""
 
     CONTROL_TOKENS = (

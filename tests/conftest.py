@@ -203,7 +203,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "layernorm" in name:
+            if "norm" in name:  # layernorms, and GLM-4V's projection norm1
                 values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
                 if name.endswith("bias"):
                     values -= 1.0
@@ -220,13 +220,72 @@ def tiny_model(chatglm):
     """tiny_model(family, seed=0, **config_overrides) -> an fp32 ChatGLMForConditionalGeneration in eval mode."""
 
     def build(family: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides):
-        config = chatglm.ChatGLMConfig(**tiny_config_dict(family, **overrides))
-        config._attn_implementation = attn_implementation
-        torch.manual_seed(seed)
-        model = chatglm.modeling.ChatGLMForConditionalGeneration(config)
-        return randomize_(model, seed).eval()
+        return random_model(chatglm, tiny_config_dict(family, **overrides), seed, attn_implementation)
 
     return build
+
+
+def random_model(chatglm, config_dict: dict, seed: int, attn_implementation: str):
+    """An fp32 ChatGLMForConditionalGeneration of our code in eval mode, with randomize_ weights."""
+    config = chatglm.ChatGLMConfig(**config_dict)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = chatglm.modeling.ChatGLMForConditionalGeneration(config)
+    return randomize_(model, seed).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GLM-4V (glm-4v-9b): golden cases, tiny image models, prompts with an image
+# ---------------------------------------------------------------------------------------------------------------------
+GLM4V_CASES = ("glm4v-tiny", "glm4v-tiny-text")
+# The golden checkpoints' remapped ids (FORMAT.md, "GLM-4V cases"): [gMASK] <sop> <|user|> "\n", the image
+# placeholder, <|assistant|>; text ids are drawn from [3, TEXT_ID_STOP).
+GLM4V_PREFIX, GLM4V_IMAGE, GLM4V_ASSISTANT = [500, 502, 505, 201], [508, 498, 509], [506]
+TEXT_ID_STOP = 495
+
+
+@pytest.fixture(scope="session")
+def glm4v_golden(tmp_path_factory) -> dict:
+    """name -> GoldenCase of the GLM-4V golden cases (one checkpoint: image and text-only prompts)."""
+    return {name: make_golden_case(name, tmp_path_factory.mktemp(name)) for name in GLM4V_CASES}
+
+
+@pytest.fixture(scope="session")
+def glm4v_model(glm4v_golden):
+    """The golden GLM-4V checkpoint loaded as the original ran (eager attention, fp32)."""
+    return glm4v_golden["glm4v-tiny"].load()
+
+
+def tiny_glm4v_config_dict(image_size: int = 8, **overrides) -> dict:
+    """glm-4v-9b's config as the golden checkpoint has it (LM shrunk, remapped ids), with a small vision tower:
+    patches of 2, so image_size 8 gives N = 4 image rows and 12 gives N = 9."""
+    config = json.loads(shared_path("golden", "glm4v-tiny", "checkpoint", "config.json").read_text())
+    grid = image_size // 2
+    config["vision_config"].update(image_size=image_size, patch_size=2, hidden_size=16, num_heads=2,
+                                   intermediate_size=32, num_hidden_layers=2, num_positions=grid * grid + 1)
+    config.update(eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4v(chatglm):
+    """tiny_glm4v(seed=0, image_size=8, attn_implementation="sdpa", **config_overrides) -> an fp32 GLM-4V model."""
+
+    def build(seed: int = 0, image_size: int = 8, attn_implementation: str = "sdpa", **overrides):
+        return random_model(chatglm, tiny_glm4v_config_dict(image_size, **overrides), seed, attn_implementation)
+
+    return build
+
+
+def glm4v_prompt(text_length: int, generator: torch.Generator, image: bool = True) -> list:
+    """A chat prompt in the golden checkpoints' ids: prefix, the image placeholder, text, <|assistant|>."""
+    text = torch.randint(3, TEXT_ID_STOP, (text_length,), generator=generator).tolist()
+    return GLM4V_PREFIX + (GLM4V_IMAGE if image else []) + text + GLM4V_ASSISTANT
+
+
+def random_images(count: int, size: int, seed: int) -> torch.Tensor:
+    return torch.randn(count, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
 def save_checkpoint(model, folder: Path) -> Path:

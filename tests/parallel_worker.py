@@ -95,7 +95,7 @@ def guard_rejects_non_contiguous() -> bool:
 # ----------------------------------------------------------------------------------------------------------------------
 
 TRANSFORMERS = Version(transformers.__version__)
-ATTENTION = {"glm4": "sdpa", "chatglm3": "eager", "chatglm3-mha": "eager"}
+ATTENTION = {"glm4": "sdpa", "chatglm3": "eager", "chatglm3-mha": "eager", "glm4v": "sdpa"}
 
 
 def load(folder, variant, **kwargs):
@@ -185,6 +185,46 @@ def static_generation_identical(reference, model, vocab):
     return {"ok": got == expected, "detail": f"tensor parallel {got} vs single process {expected}"}
 
 
+# GLM-4V: prompts with the image placeholder (the golden checkpoints' ids: [gMASK] <sop> <|user|> "\n", boi,
+# placeholder, eoi, text, <|assistant|>), left-padded, one image each. The vision tower stays replicated.
+IMAGE_PROMPT_HEAD, IMAGE_PROMPT_TAIL = [500, 502, 505, 201, 508, 498, 509], [506]
+
+
+def image_inputs(seed, image_size):
+    generator = torch.Generator().manual_seed(seed)
+    rows = [IMAGE_PROMPT_HEAD + torch.randint(3, 495, (n,), generator=generator).tolist() + IMAGE_PROMPT_TAIL
+            for n in (2, 6)]
+    length = max(len(row) for row in rows)
+    ids = torch.tensor([[0] * (length - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (length - len(row)) + [1] * len(row) for row in rows])
+    images = torch.randn(2, 3, image_size, image_size, generator=generator)
+    return ids, mask, images
+
+
+def image_logits_match(reference, model, image_size):
+    ids, mask, images = image_inputs(5, image_size)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask, images=images).logits
+        got = model(input_ids=ids, attention_mask=mask, images=images).logits
+    return close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def image_generation_identical(reference, model, image_size):
+    ids, mask, images = image_inputs(6, image_size)
+    greedy = dict(do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0, use_cache=True)
+    with torch.no_grad():
+        expected = reference.generate(ids, attention_mask=mask, images=images, **greedy).tolist()
+        got = model.generate(ids, attention_mask=mask, images=images, **greedy).tolist()
+    return {"ok": got == expected, "detail": f"tensor parallel {got} vs single process {expected}"}
+
+
+def image_training_step_gradients(reference, model, parallel, image_size):
+    """The loss with images and every gradient, the replicated vision tower's included."""
+    ids, mask, images = image_inputs(7, image_size)
+    labels = ids.masked_fill(mask == 0, -100)
+    return training_step_gradients(reference, model, parallel, None, (ids, mask, labels, images))
+
+
 def per_rank_sizes(model, parallel):
     """Each attention module holds the rank's head counts, and the sharded weights have the matching shapes."""
     config, tp = model.config, model._chatglm_tp.sizes.tp_size
@@ -225,18 +265,21 @@ def save_and_reload(reference, model, folder, variant):
     return {"ok": same and reloaded.state_dict().keys() == reference.state_dict().keys(), "detail": str(folder)}
 
 
-def training_step_gradients(reference, model, parallel, vocab):
-    ids, mask = inputs(3, vocab)
-    labels = ids.masked_fill(mask == 0, -100)
+def training_step_gradients(reference, model, parallel, vocab, batch=None):
+    if batch is None:
+        ids, mask = inputs(3, vocab)
+        batch = (ids, mask, ids.masked_fill(mask == 0, -100), None)
+    ids, mask, labels, images = batch
+    extra = {"images": images} if images is not None else {}
     losses = []
     for m in (reference, model):
         m.train()
         m.zero_grad(set_to_none=True)
-        out = m(input_ids=ids, attention_mask=mask, labels=labels)
+        out = m(input_ids=ids, attention_mask=mask, labels=labels, **extra)
         out.loss.backward()
         losses.append(out.loss.detach())
         m.eval()
-    expected = {n: p.grad for n, p in reference.named_parameters()}
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}  # (no image: no vision)
     got = parallel.full_gradients(model)
     problems = [] if set(got) == set(expected) else [f"keys differ: {set(got) ^ set(expected)}"]
     worst = 0.0
@@ -278,7 +321,7 @@ def replicas_agree(model):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def check_variant(variant, folder, vocab, parallel, mesh, grid_size, scratch):
+def check_variant(variant, folder, vocab, parallel, mesh, grid_size, scratch, image_size=None):
     checks = Checks()
     reference = load(folder, variant)
 
@@ -310,6 +353,10 @@ def check_variant(variant, folder, vocab, parallel, mesh, grid_size, scratch):
     checks.run("save", save_and_reload, reference, model, scratch / f"saved_{variant.replace('-', '_')}", variant)
     checks.run("gradients", training_step_gradients, reference, model, parallel, vocab)
     checks.run("replicas", replicas_agree, model)
+    if image_size:  # GLM-4V: the same language-model plan, images spliced in, the vision tower replicated
+        checks.run("image_logits", image_logits_match, reference, model, image_size)
+        checks.run("image_generation", image_generation_identical, reference, model, image_size)
+        checks.run("image_gradients", image_training_step_gradients, reference, model, parallel, image_size)
 
     # 3. A (data parallel x tensor parallel) grid: tp_size smaller than the world.
     if grid_size:
@@ -327,7 +374,7 @@ def main():
     results, mesh = {}, None
     for variant, info in spec["variants"].items():
         results[variant], mesh = check_variant(variant, info["folder"], info["vocab"], parallel, mesh,
-                                               spec.get("grid_size"), results_dir)
+                                               spec.get("grid_size"), results_dir, info.get("image_size"))
     results["guard"] = {"rejects_non_contiguous": guard_rejects_non_contiguous(), "calls": dict(CALLS)}
     rank = dist.get_rank()
     (results_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))

@@ -184,3 +184,129 @@ def test_balanced_device_map_is_reachable_as_the_readme_shows(golden):
     device_map = balanced_device_map(config, ["cpu"])
     model = load_causal_lm(golden.folder, device_map=device_map)
     assert {str(p.device) for p in model.parameters()} == {"cpu"}
+
+
+# --- GLM-4V: the vision tower and the language model split ------------------------------------------------------------
+# glm-4v-9b's vision tower (its config.json's vision_config; the golden checkpoint shrinks these sizes).
+GLM4V_9B_VISION = dict(dropout_prob=0.0, hidden_act="gelu", in_channels=3, num_hidden_layers=63, hidden_size=1792,
+                       patch_size=14, num_heads=16, intermediate_size=15360, layer_norm_eps=1e-06, num_positions=6401,
+                       image_size=1120, scaling_factor=8)
+
+
+def glm4v_spread_map(devices) -> dict:
+    """Every GLM-4V boundary in play (device_check.place applies entries in order, so the tower's own rows go with
+    "transformer.vision" first): the pixels' way in, each vision block, the merge conv, the projection and the
+    image rows' way into the embedding each on another device than their neighbours."""
+    d = [str(device) for device in devices]
+    device_map = {"transformer.vision": d[2], "transformer.vision.patch_embedding": d[0],
+                  "transformer.vision.transformer.layers.0": d[1], "transformer.vision.transformer.layers.1": d[2],
+                  "transformer.vision.conv": d[0], "transformer.vision.linear_proj": d[1]}
+    device_map.update(device_check.spread_device_map(2, devices))
+    return device_map
+
+
+def glm4v_training_batch(seed):
+    from conftest import glm4v_prompt, random_images
+
+    generator = torch.Generator().manual_seed(seed)
+    ids, mask = device_check.left_pad([glm4v_prompt(n, generator) for n in (3, 8)])
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-4] = -100  # the answer: the last tokens
+    return ids, mask, labels, random_images(2, 8, seed)
+
+
+@pytest.mark.matrix_ends
+def test_glm4v_split_over_devices_equals_single_device(tiny_glm4v):
+    """Vision blocks, projection and language model on three devices; inputs and pixels on the CPU. Forward, loss
+    and gradients (vision tower included), greedy batched generation with the cache, and each layer's cache on its
+    layer's device equal the one-device run."""
+    import copy
+    import warnings
+
+    model = tiny_glm4v(seed=21)
+    ids, mask, labels, images = glm4v_training_batch(21)
+    with virtual_devices(3) as devices, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        single = copy.deepcopy(model).to(devices[0])
+        split = device_check.place(copy.deepcopy(model), glm4v_spread_map(devices))
+        assert len({str(p.device) for p in split.transformer.vision.parameters()}) == 3
+        outputs = []
+        for m in (single, split):
+            out = m(input_ids=ids, attention_mask=mask, images=images, labels=labels)
+            out.loss.backward()
+            outputs.append(out)
+        greedy = [m.generate(ids, attention_mask=mask, images=images, max_new_tokens=5, **device_check.GREEDY).cpu()
+                  for m in (single, split)]
+        with torch.no_grad():
+            prefill = split(input_ids=ids, attention_mask=mask, images=images, use_cache=True)
+        on_layers = device_check.cache_devices(prefill.past_key_values) == [
+            (d, d) for d in device_check.layer_devices(split)]
+    torch.testing.assert_close(outputs[1].logits.cpu(), outputs[0].logits.cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outputs[1].loss.cpu(), outputs[0].loss.cpu(), atol=1e-6, rtol=1e-6)
+    for (name, p), q in zip(split.named_parameters(), single.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), atol=1e-5, rtol=1e-4, msg=name)
+    assert greedy[0].tolist() == greedy[1].tolist()
+    assert on_layers
+    assert not [w for w in caught if "device" in str(w.message)]
+
+
+@pytest.mark.matrix_ends
+def test_glm4v_every_boundary_goes_through_device_boundary(tiny_glm4v, monkeypatch):
+    """The vision tower's crossings too: without device_boundary in visual.py the split model fails as on GPUs, and
+    visual.py has no other device move."""
+    import sys
+
+    model = tiny_glm4v()
+    ids, mask, _, images = glm4v_training_batch(22)
+    visual = sys.modules[type(model.transformer.vision).__module__]
+    with virtual_devices(3) as devices:
+        device_check.place(model, glm4v_spread_map(devices))
+        monkeypatch.setattr(visual, "device_boundary", lambda tensor, device: tensor)
+        # A convolution words it its own way on GPUs too: "Input type (...) and weight type (...) should be the same".
+        with pytest.raises(RuntimeError, match=f"{CROSS_DEVICE}|Input type .* and weight type .* should be the same"):
+            model(input_ids=ids, attention_mask=mask, images=images)
+    source = (REPO / "visual.py").read_text()
+    assert not [line for line in source.splitlines() if re.search(r"\.to\((?![^)]*dtype)[^)]*device", line)]
+
+
+@pytest.mark.matrix_ends
+def test_glm4v_from_pretrained_with_a_device_map(glm4v_golden):
+    """The original glm-4v checkpoint loaded with the vision tower and the language model's pieces on three devices:
+    the golden logits of the image prompt (one forward: 6400 patches run slowly on virtual devices) and the golden
+    tokens of the text prompt, with inputs and pixels left on the CPU."""
+    image_case, text_case = glm4v_golden["glm4v-tiny"], glm4v_golden["glm4v-tiny-text"]
+    with virtual_devices(3) as devices:
+        device_map = dict(device_check.spread_device_map(2, devices), **{"transformer.vision": str(devices[1])})
+        model = load_causal_lm(image_case.folder, attn_implementation="eager", device_map=device_map)
+        assert len({str(p.device) for p in model.parameters()}) == 3
+        e = image_case.expected
+        with torch.no_grad():
+            logits = model(input_ids=e["input_ids"][None], images=e["pixel_values"]).logits[0].cpu()
+            ids = text_case.expected["input_ids"][None]
+            generated = model.generate(input_ids=ids, **text_case.gen_kwargs)
+    torch.testing.assert_close(logits, e["logits"], atol=1e-4, rtol=1e-4)
+    assert generated.sequences[0, ids.shape[1]:].cpu().tolist() == text_case.expected["gen_tokens"].tolist()
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_glm4v_9b_device_maps_keep_vision_blocks_whole(chatglm, devices):
+    """accelerate's auto map (through _no_split_modules) and balanced_device_map on glm-4v-9b's sizes: every tensor
+    placed, no GLMBlock and no vision block split."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    fields = json.loads(shared_path("configs", "glm-4-9b-chat", "config.json").read_text())
+    fields.update(vision_config=GLM4V_9B_VISION, boi_token_id=151339, eoi_token_id=151340)
+    config = chatglm.ChatGLMConfig(**fields)
+    model = meta_model(chatglm, config).to(torch.bfloat16)
+    no_split = model._no_split_modules
+    max_memory = get_balanced_memory(model, max_memory={i: "12GiB" for i in range(devices)} | {"cpu": "64GiB"},
+                                     no_split_module_classes=no_split, dtype=torch.bfloat16, low_zero=False)
+    auto = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split,
+                                 dtype=torch.bfloat16)
+    balanced = chatglm.modeling.balanced_device_map(config, [f"cuda:{i}" for i in range(devices)])
+    for device_map in (auto, balanced):
+        chatglm.modeling.check_device_map(model, device_map)  # complete, known names, no block split
+    assert len(set(balanced.values())) == devices and balanced["transformer.vision"] == "cuda:0"
+    vision_blocks = {name for name in auto if name.startswith("transformer.vision.transformer.layers.")}
+    assert vision_blocks or "transformer.vision" in auto or "transformer" in auto

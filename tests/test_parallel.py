@@ -27,6 +27,7 @@ VARIANTS = {
     "glm4": ("glm4", {}),
     "chatglm3": ("chatglm3", {}),
     "chatglm3-mha": ("chatglm3", dict(multi_query_attention=False, add_bias_linear=True, padded_vocab_size=255)),
+    "glm4v": ("glm4v", {}),  # GLM-4V: the language model sharded by the same plan, the vision tower replicated
 }
 RUN_TIMEOUT_S = 300
 
@@ -44,14 +45,16 @@ def parallel(chatglm):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_model, tmp_path_factory):
+def checkpoints(tiny_model, tiny_glm4v, tmp_path_factory):
     """One saved checkpoint per variant, with the code files (parallel_chatglm.py included)."""
     root = tmp_path_factory.mktemp("tp_checkpoints")
     saved = {}
     for name, (family, overrides) in VARIANTS.items():
-        model = tiny_model(family, seed=7, **overrides)
+        model = tiny_glm4v(seed=7, **overrides) if family == "glm4v" else tiny_model(family, seed=7, **overrides)
         folder = copy_parallel_file(save_checkpoint(model, root / f"tp_{name.replace('-', '_')}"))
         saved[name] = {"folder": str(folder), "vocab": model.config.padded_vocab_size}
+        if family == "glm4v":
+            saved[name]["image_size"] = model.transformer.vision.sizes.image_size
     return saved
 
 
@@ -167,6 +170,13 @@ def test_tp_size_smaller_than_the_world_makes_a_data_by_tensor_parallel_grid(tp_
     """In the 4-process run, tp_size=2: two tensor-parallel groups of 2 ranks."""
     for variant in VARIANTS:
         assert_checks(tp_runs(4), variant, "grid_logits")
+
+
+@pytest.mark.parametrize("tp_size", TP_SIZES)
+def test_glm4v_with_images_equals_the_single_process_model(tp_runs, tp_size):
+    """Left-padded prompts with one image each: logits, greedy generation, the loss and every gradient (the
+    replicated vision tower's included) as in one process."""
+    assert_checks(tp_runs(tp_size), "glm4v", "image_logits", "image_generation", "image_gradients")
 
 
 @pytest.mark.parametrize("tp_size", TP_SIZES)

@@ -1212,3 +1212,99 @@ def test_pipeline_style_chat_call(glm4_tokenizer, chatglm3_tokenizer):
                                          return_dict=True, return_tensors="pt", tools=None, documents=None)
         assert inputs["input_ids"].tolist() == [tok.apply_chat_template(messages)]
         assert tok.decode(inputs["input_ids"][0]).endswith("Hello")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GLM-4V: a chat with an image (glm-4v-9b's tokenizer_config.json: no chat template, "image_size")
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm4v_tokenizer(tokenizer_folder_factory):
+    """glm-4v-9b's tokenizer as the golden cases built it (their tokenizer_image_size, 160)."""
+    folder = tokenizer_folder_factory("glm4", "glm4v-tokenizer", config_changes={"image_size": 160},
+                                      drop_config_keys=("chat_template",))
+    return load_tokenizer(folder)
+
+
+def golden_image(expected):
+    from PIL import Image
+
+    pixels = expected["image_uint8"]
+    return Image.frombytes("RGB", (pixels.shape[1], pixels.shape[0]), bytes(pixels.flatten().tolist()))
+
+
+def test_chat_with_an_image_gives_the_original_ids_mask_positions_and_pixels(glm4v_tokenizer):
+    from safetensors.torch import load_file
+
+    cases = json.loads(conftest.shared_path("golden", "glm4v-tiny", "cases.json").read_text())
+    e = load_file(str(conftest.shared_path("golden", "glm4v-tiny", "expected.safetensors")))
+    image = golden_image(e)
+    conversation = [dict(message, image=image) if "image" in message else message
+                    for message in cases["inputs"]["conversation"]]
+    inputs = glm4v_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                 return_tensors="pt", return_dict=True)
+    assert inputs["input_ids"][0].tolist() == e["real_input_ids"].tolist()
+    assert inputs["attention_mask"][0].tolist() == e["attention_mask"].tolist()
+    assert inputs["position_ids"][0].tolist() == e["position_ids"].tolist()
+    # Same Pillow resize as the original's torchvision path: equal up to float rounding.
+    import torch
+
+    torch.testing.assert_close(inputs["images"], e["pixel_values"], atol=1e-5, rtol=0)
+    train = [dict(message, image=image) if "image" in message else message
+             for message in cases["inputs"]["train_conversation"]]
+    assert glm4v_tokenizer.apply_chat_template(train) == cases["inputs"]["train_real_input_ids"]
+
+
+def test_chat_without_an_image_is_the_text_chat(glm4v_tokenizer):
+    cases = json.loads(conftest.shared_path("golden", "glm4v-tiny-text", "cases.json").read_text())
+    inputs = glm4v_tokenizer.apply_chat_template(cases["inputs"]["conversation"], add_generation_prompt=True,
+                                                 return_dict=True)
+    assert inputs["input_ids"] == cases["inputs"]["real_input_ids"] and "images" not in inputs
+
+
+def test_batch_of_chats_with_an_image_each_is_left_padded(glm4v_tokenizer):
+    from PIL import Image
+
+    images = [Image.new("RGB", (40, 30), color) for color in ((255, 0, 0), (0, 0, 255))]
+    chats = [[{"role": "user", "image": images[0], "content": "What colour?"}],
+             [{"role": "user", "image": images[1], "content": "And this one, in a few more words?"}]]
+    inputs = glm4v_tokenizer.apply_chat_template(chats, add_generation_prompt=True, padding=True,
+                                                 return_tensors="pt", return_dict=True)
+    assert inputs["images"].shape == (2, 3, 160, 160)
+    boi = glm4v_tokenizer.convert_tokens_to_ids("<|begin_of_image|>")
+    assert (inputs["input_ids"] == boi).sum(-1).tolist() == [1, 1]
+    assert inputs["attention_mask"][0, 0] == 0 and inputs["position_ids"][0, -1] == inputs["attention_mask"][0].sum() - 1
+    assert inputs["images"][0, 0].mean() > inputs["images"][1, 0].mean()  # red first, then blue
+
+
+def test_image_tokens_typed_as_text_stay_text(glm4v_tokenizer):
+    from PIL import Image
+
+    chat = [{"role": "user", "image": Image.new("RGB", (8, 8)), "content": "<|begin_of_image|> is text here"}]
+    ids = glm4v_tokenizer.apply_chat_template(chat)
+    assert ids.count(glm4v_tokenizer.convert_tokens_to_ids("<|begin_of_image|>")) == 1
+
+
+@pytest.mark.parametrize("chats,error,message", [
+    (lambda img: [[{"role": "user", "image": "photo.jpg", "content": "hi"}]], TypeError, r"PIL image"),
+    (lambda img: [[{"role": "user", "image": img.convert("RGBA"), "content": "hi"}]], ValueError,
+     r"mode 'RGBA'.*convert\('RGB'\)"),
+    (lambda img: [[{"role": "user", "image": img, "content": "a"}, {"role": "assistant", "content": "b"},
+                   {"role": "user", "image": img, "content": "c"}]], ValueError, r"2 images.*one image per conversation"),
+    (lambda img: [[{"role": "user", "image": img, "content": "a"}], [{"role": "user", "content": "b"}]], ValueError,
+     r"Some conversations of this batch hold an image"),
+], ids=["path", "rgba", "two-images", "mixed-batch"])
+def test_bad_images_get_a_clear_error(glm4v_tokenizer, chats, error, message):
+    from PIL import Image
+
+    with pytest.raises(error, match=message):
+        glm4v_tokenizer.apply_chat_template(chats(Image.new("RGB", (8, 8))), padding=True, return_dict=True)
+
+
+def test_tokenizer_without_image_size_says_where_to_set_it(glm4_tokenizer):
+    from PIL import Image
+
+    with pytest.raises(ValueError, match=r"image_size.*1120"):
+        glm4_tokenizer.apply_chat_template([{"role": "user", "image": Image.new("RGB", (8, 8)), "content": "hi"}],
+                                           return_dict=True)

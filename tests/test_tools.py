@@ -86,15 +86,47 @@ def test_install_keeps_the_originals_loads_the_golden_checkpoint_and_reverts_byt
     assert_installed(folder, {name: ORIGINAL_CODE[name].encode() for name in ORIGINAL_NAMES})
     from safetensors.torch import load_file
 
-    expected = load_file(str(shared_path("golden", "glm4-chat-tiny", "expected.safetensors")))
+    expected = load_file(str(shared_path("golden", case, "expected.safetensors")))
     model = load_causal_lm(folder, attn_implementation="eager")
     with torch.no_grad():
-        logits = model(input_ids=expected["seq_0_input_ids"][None]).logits[0]
-    torch.testing.assert_close(logits, expected["seq_0_logits"], atol=1e-4, rtol=1e-4)
+        logits = model(input_ids=expected[ids_name][None]).logits[0]
+    torch.testing.assert_close(logits, expected[logits_name], atol=1e-4, rtol=1e-4)
+
+
+def test_install_into_a_glm4v_checkpoint_replaces_its_visual_py(tmp_path):
+    """glm-4v-9b ships a visual.py of its own: it is backed up like the other original files, and ours loads."""
+    folder = downloaded_checkpoint(tmp_path, "glm4v-tiny-text", "downloaded_glm4v")
+    (folder / "visual.py").write_text("# the original visual.py\n")
+    subprocess.run(INSTALL + [str(folder)], check=True, capture_output=True)
+    [backup] = folder.glob("original_code_backup_*")
+    assert (backup / "visual.py").read_text() == "# the original visual.py\n"
+    assert (folder / "visual.py").read_text() == (REPO / "visual.py").read_text()
+    assert_golden_logits(folder, "glm4v-tiny-text", "input_ids", "logits")
 
     result = install_cli("--revert", folder)
     assert result.returncode == 0, result.stderr
     assert folder_state(folder) == start
+
+
+def test_install_into_a_glm4v_checkpoint_replaces_its_visual_py(tmp_path):
+    """glm-4v-9b ships a visual.py of its own: it is kept like the other original files, and ours loads."""
+    folder = tmp_path / "downloaded_glm4v"
+    shutil.copytree(shared_path("golden", "glm4v-tiny-text", "checkpoint"), folder)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+    originals = {name: f"# the original {name}\n".encode() for name in (*ORIGINAL_NAMES, "visual.py")}
+    for name, code in originals.items():
+        (folder / name).write_bytes(code)
+    result = install_cli(folder)
+    assert result.returncode == 0, result.stderr
+    assert_installed(folder, originals)
+    from safetensors.torch import load_file
+
+    expected = load_file(str(shared_path("golden", "glm4v-tiny-text", "expected.safetensors")))
+    model = load_causal_lm(folder, attn_implementation="eager")
+    with torch.no_grad():
+        logits = model(input_ids=expected["input_ids"][None]).logits[0]
+    torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=1e-4)
 
 
 def test_hub_cache_snapshot_survives_install_install_revert_and_shares_nothing(tmp_path, checkpoint_bytes):

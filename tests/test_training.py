@@ -246,3 +246,84 @@ def test_sequence_classification_losses(tiny_model, chatglm):
     with torch.no_grad():
         out = model(input_ids=ids, labels=labels)
     torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, labels))
+
+
+# --- GLM-4V: training with images --------------------------------------------------------------------------------------
+
+
+def glm4v_answers_batch(seed, image_size=8):
+    """Left-padded prompts with one image each plus an answer; labels on the answers only (token layout)."""
+    from conftest import glm4v_prompt, random_images
+    from device_check import left_pad
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = [glm4v_prompt(n, generator) + torch.randint(3, 495, (a,), generator=generator).tolist()
+            for n, a in ((2, 3), (6, 2))]
+    ids, mask = left_pad(rows)
+    labels = torch.full_like(ids, -100)
+    for row, answer in enumerate((3, 2)):
+        labels[row, -answer:] = ids[row, -answer:]
+    return rows, ids, mask, labels, random_images(2, image_size, seed)
+
+
+def gradients(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_glm4v_full_fine_tuning_gradients_equal_the_per_sequence_gradients(tiny_glm4v, checkpointing):
+    """The mean loss of a padded image batch, backpropagated into every weight (vision tower included), equals the
+    per-sequence losses weighted by their answer tokens; gradient checkpointing (vision blocks too) changes nothing."""
+    model = tiny_glm4v(seed=31).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert model.transformer.vision.transformer.gradient_checkpointing
+    rows, ids, mask, labels, images = glm4v_answers_batch(31)
+    model(input_ids=ids, attention_mask=mask, labels=labels, images=images).loss.backward()
+    batch_grads = gradients(model)
+    assert any(name.startswith("transformer.vision.transformer.layers.") for name in batch_grads)
+    expected, total = {}, int((labels[:, 1:] != -100).sum())
+    for row, sequence in enumerate(rows):
+        model.zero_grad(set_to_none=True)
+        seq_labels = labels[row, -len(sequence):][None]
+        loss = model(input_ids=torch.tensor([sequence]), labels=seq_labels, images=images[row:row + 1]).loss
+        (loss * int((seq_labels[:, 1:] != -100).sum()) / total).backward()
+        for name, grad in gradients(model).items():
+            expected[name] = expected.get(name, 0) + grad
+    assert set(batch_grads) == set(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(batch_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_glm4v_lora_on_the_language_model_trains_with_images(tiny_glm4v, tmp_path):
+    """PEFT LoRA on the language model's layers only (the vision tower has a `query_key_value` too), trained by the
+    Trainer on batches with images; the merged model computes what the adapted one does."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_glm4v(seed=32)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=r".*encoder\.layers\.\d+\.(self_attention\.(query_key_value|dense)|mlp\.\w+)")
+    peft_model = get_peft_model(model, lora)
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and ".encoder.layers." in n for n in trainable)
+    _, ids, mask, labels, images = glm4v_answers_batch(32)
+    data = [{"input_ids": i, "attention_mask": m, "labels": l, "images": x}
+            for i, m, l, x in zip(ids, mask, labels, images)] * 2
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_strategy="no", learning_rate=1e-2,
+                             remove_unused_columns=False)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    result = Trainer(model=peft_model, args=args, train_dataset=data).train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    changed = {n for n, p in peft_model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and changed <= set(trainable)
+    peft_model.eval()
+    with torch.no_grad():
+        adapted = peft_model(input_ids=ids, attention_mask=mask, images=images).logits
+        generated = peft_model.generate(input_ids=ids, attention_mask=mask, images=images, max_new_tokens=3,
+                                        do_sample=False, eos_token_id=None, pad_token_id=0)
+        merged = peft_model.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=ids, attention_mask=mask, images=images).logits, adapted,
+                                   atol=1e-5, rtol=1e-5)
+    assert generated.shape == (2, ids.shape[1] + 3)

@@ -16,8 +16,8 @@ How it works: torch's PrivateUse1 dispatch key is renamed "vdev" and gets one Py
 boxed fallback). It checks the devices, runs the operator's CPU kernel on CPU tensors that alias the same memory and
 returns the results as vdev tensors; view operators run the CPU kernel on the vdev tensors directly, so views share
 storage as on a GPU. Memory changes its device tag without a copy through DLPack, whose capsule carries the device:
-export, rewrite the device in the capsule, import. copy_ and _to_copy get kernels of their own (see there), and
-torch.vdev answers the device-module questions of torch, accelerate and transformers.
+export, rewrite the device in the capsule, import. copy_, _to_copy and the convolutions get kernels of their own (see
+there), and torch.vdev answers the device-module questions of torch, accelerate and transformers.
 
 Limits (besides speed, about 0.1 ms per operator):
 - The registration is process-wide and permanent (PrivateUse1 can be renamed once). Outside a block the device
@@ -291,6 +291,26 @@ def _host_view(t: torch.Tensor) -> torch.Tensor:
     return _on_host(t) if _is_virtual(t) else t
 
 
+def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """convolution_overrideable: where torch's convolution sends a backend it has no kernels for. It has a kernel
+    of its own that raises, so the fallback never sees it: the CPU convolution, on host aliases."""
+    _check_same_device("aten::convolution_overrideable", (input, weight, bias), {})
+    host = torch.ops.aten.convolution.default(_host_view(input), _host_view(weight),
+                                              None if bias is None else _host_view(bias), stride, padding, dilation,
+                                              transposed, output_padding, groups)
+    return _on_device(host, input.device.index)
+
+
+def _convolution_backward(grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups,
+                          output_mask):
+    _check_same_device("aten::convolution_backward_overrideable", (grad_output, input, weight), {})
+    grads = torch.ops.aten.convolution_backward.default(
+        _host_view(grad_output), _host_view(input), _host_view(weight), [weight.shape[0]], stride, padding,
+        dilation, transposed, output_padding, groups, output_mask,
+    )
+    return tuple(None if g is None else _on_device(g, input.device.index) for g in grads)
+
+
 _SPECIAL_KERNELS = {
     "aten::_copy_from": _copy_from,
     "aten::_copy_from_and_resize": _copy_from_and_resize,
@@ -456,6 +476,8 @@ def _register() -> None:
     aten = torch.library.Library("aten", "IMPL")
     aten.impl("copy_", _copy, "PrivateUse1")
     aten.impl("_to_copy", _to_copy, "PrivateUse1")
+    aten.impl("convolution_overrideable", _convolution, "PrivateUse1")
+    aten.impl("convolution_backward_overrideable", _convolution_backward, "PrivateUse1")
     _libraries.extend([every_op, aten])
 
 

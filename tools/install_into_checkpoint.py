@@ -29,9 +29,10 @@ from folder_transaction import (
 
 # The files a user copies over a downloaded checkpoint (the demo and the tests read this list too). A companion
 # file added here later is installed by the next run, its original (if the checkpoint has one) kept like the others.
-CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py", "parallel_chatglm.py")
+CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py", "parallel_chatglm.py",
+              "visual.py")
 TOOL = "install_into_checkpoint.py"
-# A key every ChatGLM2/3 and GLM-4 checkpoint has, and what the first generation has instead.
+# A key every ChatGLM2/3 and GLM-4 checkpoint has, and what other families have instead.
 FAMILY_KEY = "transformer.encoder.layers.0.self_attention.query_key_value.weight"
 FIRST_GENERATION_KEY = "transformer.layers.0.attention.query_key_value.weight"
 LEGACY_BACKUPS = "original_code_backup_*"  # what this tool wrote before it kept a manifest
