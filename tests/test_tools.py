@@ -1,12 +1,14 @@
-"""User tools and the demo, run as a user runs them."""
+"""User tools, the demo and the model benchmark, run as a user runs them."""
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
-from conftest import REPO, load_causal_lm, shared_path
+from conftest import REPO, TRANSFORMERS, load_causal_lm, shared_path
+from packaging.version import Version
 
 INSTALL = [sys.executable, str(REPO / "tools" / "install_into_checkpoint.py")]
 
@@ -92,3 +94,21 @@ def test_gpu_check_script_runs_on_a_cpu_only_machine(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     data = json.loads(rows.read_text())
     assert [r["family"] for r in data] == ["glm4", "chatglm3"] and all(r["ok"] for r in data)
+
+
+@pytest.mark.matrix_ends
+def test_model_benchmark_runs_from_a_clone(tmp_path):
+    """The benchmark's whole path on a tiny model (no timing is asserted): its KV bytes equal the theory, and where
+    transformers has GlmForCausalLM, the native model generates the fork's tokens and has its KV bytes too."""
+    numbers = tmp_path / "numbers.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "model_benchmark.py"), "--quick", "--sections", "kv,generate",
+         "--json", str(numbers)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    rows = json.loads(numbers.read_text())["rows"]
+    kv = [row for row in rows if row["section"] == "KV memory"]
+    assert len(kv) == 4 and all(abs(share - 1) <= 0.01 for row in kv for share in row["held_over_theory"].values())
+    if TRANSFORMERS >= Version("4.46"):
+        generated = [row for row in rows if row["section"] == "generate"]
+        assert [row["note"] for row in generated] == ["same tokens", "same tokens"]
+        assert all("ratio" in row for row in rows)
