@@ -590,7 +590,7 @@ class RotaryEmbedding(nn.Module):
         return 1.0 / (10000 ** (steps / self.rotary_channels))
 
     def own_loaded_buffer(self):
-        """Loading casts the weights to the requested dtype but (transformers >= 4.57) keeps this fp32 buffer as the
+        """Loading casts the weights to the requested dtype but (transformers >= 4.53) keeps this fp32 buffer as the
         checkpoint gave it: a view into the file's memory map, which keeps the whole shard mapped and resident.
         Called after loading: 32 floats of its own instead."""
         if self.inv_freq.device.type == "cpu":

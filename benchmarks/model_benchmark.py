@@ -394,33 +394,35 @@ def generate(results, models, args, clock):
 
 
 def child_memory(args):
-    """In a fresh process: load, then one long prefill; prints RSS growth (KiB) and CUDA bytes as JSON."""
+    """In a fresh process: load in --load-dtype, then one long prefill; prints RSS growth (KiB), and CUDA memory
+    (KiB), as JSON."""
     cuda = args.device.startswith("cuda")
     gc.collect()
     start = proc_status_kib("VmRSS")
     reset_peak_rss()
-    model = load(args.child, Path(args.child_folder), getattr(torch, args.dtype), args.device)
+    model = load(args.child, Path(args.child_folder), getattr(torch, args.load_dtype), args.device)
     gc.collect()
-    loaded = proc_status_kib("VmRSS")
-    numbers = dict(load_kept=loaded - start, load_peak=proc_status_kib("VmHWM") - start)
+    numbers = dict(load_kept=proc_status_kib("VmRSS") - start, load_peak=proc_status_kib("VmHWM") - start)
     if cuda:
         numbers["cuda_load"] = torch.cuda.memory_allocated() / 1024
-        torch.cuda.reset_peak_memory_stats()
-    ids = random_ids(1, args.prefill, 7, args.device)
-    reset_peak_rss()
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, **last_logit_kwargs(model))
-    gc.collect()
-    numbers.update(prefill_peak=proc_status_kib("VmHWM") - loaded, prefill_kept=proc_status_kib("VmRSS") - loaded)
+        model(input_ids=random_ids(1, 8, 7, args.device))  # touches every weight: resident before the peak
+        gc.collect()
+        before = proc_status_kib("VmRSS")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        reset_peak_rss()
+        model(input_ids=random_ids(1, args.prefill, 8, args.device), use_cache=True, **last_logit_kwargs(model))
+    numbers["prefill_peak"] = proc_status_kib("VmHWM") - before
     if cuda:
-        numbers["cuda_prefill_peak"] = (torch.cuda.max_memory_allocated() - numbers["cuda_load"] * 1024) / 1024
-    del out
+        numbers["cuda_prefill_peak"] = torch.cuda.max_memory_allocated() / 1024 - numbers["cuda_load"]
     print(json.dumps(numbers))
 
 
 def process_memory(results, folders, args):
     def measure(name, folder):
-        command = [sys.executable, __file__, "--child", name, "--child-folder", str(folder), "--dtype", args.dtype,
+        command = [sys.executable, __file__, "--child", name, "--child-folder", str(folder), "--load-dtype",
+                   args.load_dtype,
                    "--device", args.device, "--prefill", str(args.prefill), "--threads", str(args.threads)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
@@ -428,24 +430,25 @@ def process_memory(results, folders, args):
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     runs = interleaved(args.memory_rounds, folders, measure)
-    labels = {"load_kept": f"load as {args.dtype} ({args.checkpoint_dtype} checkpoint): RSS kept",
-              "load_peak": f"load as {args.dtype}: peak RSS",
-              "prefill_peak": f"prefill {args.prefill}: peak RSS over the loaded model",
-              "prefill_kept": f"prefill {args.prefill}: RSS kept (cache, allocator)",
-              "cuda_load": f"load as {args.dtype}: CUDA memory allocated",
-              "cuda_prefill_peak": f"prefill {args.prefill}: peak CUDA memory over the loaded model"}
+    labels = {"load_kept": f"load as {args.load_dtype} ({args.checkpoint_dtype} checkpoint): RSS kept",
+              "load_peak": f"load as {args.load_dtype}: peak RSS",
+              "prefill_peak": f"{args.load_dtype} prefill {args.prefill}: peak RSS over the loaded model",
+              "cuda_load": f"load as {args.load_dtype}: CUDA memory allocated",
+              "cuda_prefill_peak": f"{args.load_dtype} prefill {args.prefill}: peak CUDA memory over the model"}
     for key, label in labels.items():
         if key in runs["fork"][0]:
             results.add("process memory", label, "MiB", {name: [r[key] / 1024 for r in rs] for name, rs in runs.items()})
 
 
-def copy_bandwidth(device: str, rounds: int) -> float:
-    """STREAM 'Copy' (bytes read + written per second, best round) on 512 MiB arrays, far beyond the caches."""
-    clock = Clock(device, "wall")
+def memory_bandwidth(device: str, clock, rounds: int) -> tuple:
+    """Bytes per second of a STREAM 'Copy' (read + written) and of a read-only pass (a sum), best of `rounds`, on
+    512 MiB arrays, far beyond the caches; timed with the clock the decode steps use."""
     src = torch.rand((512 * MIB) // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    return 2 * src.nbytes / min(clock(lambda: dst.copy_(src)) for _ in range(rounds))
+    copy = 2 * src.nbytes / min(clock(lambda: dst.copy_(src)) for _ in range(rounds))
+    read = src.nbytes / min(clock(lambda: src.sum()) for _ in range(rounds))
+    return copy, read
 
 
 def decode_weight_bytes(model) -> int:
@@ -470,7 +473,9 @@ def matrix_vector_seconds(model, batch: int, clock) -> float:
     return min(clock(run) for _ in range(3))
 
 
-def hardware_limit(results, folders, args, clock, bandwidth):
+def hardware_limit(results, folders, args, clock):
+    bandwidth, read = memory_bandwidth(args.device, clock, max(3, args.rounds))
+    print(f"  copy {bandwidth / 1e9:.1f} GB/s, read {read / 1e9:.1f} GB/s", flush=True)
     context = args.contexts[0]
     for dtype_name in args.limit_dtypes:
         models = {name: load(name, folder, getattr(torch, dtype_name), args.device) for name, folder in folders.items()}
@@ -479,12 +484,14 @@ def hardware_limit(results, folders, args, clock, bandwidth):
         rates = {name: [moved[name] / t / 1e9 for t in values] for name, values in times.items()}
         kernels = moved["fork"] / matrix_vector_seconds(models["fork"], 1, clock) / 1e9
         fork_rate = statistics.median(rates["fork"])
-        note = (f"fork: {fork_rate * 1e9 / bandwidth:.0%} of copy bandwidth ({bandwidth / 1e9:.1f} GB/s); "
-                f"its matrix-vector products alone: {kernels:.1f} GB/s = {kernels * 1e9 / bandwidth:.0%}; "
-                f"the step reaches {fork_rate / kernels:.0%} of them")
+        note = (f"fork: {fork_rate * 1e9 / bandwidth:.0%} of copy ({bandwidth / 1e9:.1f} GB/s), "
+                f"{fork_rate * 1e9 / read:.0%} of read ({read / 1e9:.1f} GB/s); its matrix-vector products alone "
+                f"{kernels:.1f} GB/s ({kernels * 1e9 / bandwidth:.0%} of copy), the whole step {fork_rate / kernels:.0%} "
+                "of that")
         results.add("memory bandwidth", f"decode bs=1 {dtype_name}, context {context}: (weights + KV) / step",
-                    "GB/s", rates, higher_is_better=True, note=note, share_of_copy=fork_rate * 1e9 / bandwidth,
-                    kernels_share_of_copy=kernels * 1e9 / bandwidth, bytes_per_step=moved["fork"])
+                    "GB/s", rates, higher_is_better=True, note=note, copy=bandwidth, read=read,
+                    share_of_copy=fork_rate * 1e9 / bandwidth, kernels_share_of_copy=kernels * 1e9 / bandwidth,
+                    bytes_per_step=moved["fork"])
         del models
         gc.collect()
 
@@ -522,6 +529,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--checkpoint-dtype", default="float32", help="dtype the random checkpoint is saved in")
+    parser.add_argument("--load-dtype", default="bfloat16", help="dtype of the fresh-process load and prefill")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: process CPU time, robust to other processes on a shared machine (use --threads 1)")
@@ -585,9 +593,8 @@ def main(argv=None) -> int:
         print("fresh processes:", flush=True)
         process_memory(results, folders, args)
     if "bandwidth" in args.sections:
-        bandwidth = copy_bandwidth(args.device, max(3, args.rounds))
-        print(f"memory bandwidth (copy {bandwidth / 1e9:.1f} GB/s):", flush=True)
-        hardware_limit(results, folders, args, clock, bandwidth)
+        print("memory bandwidth:", flush=True)
+        hardware_limit(results, folders, args, clock)
     print("\n" + markdown(results, args, header))
     if args.json:
         args.json.write_text(json.dumps(dict(header=header, rows=results.rows), indent=1, default=str))

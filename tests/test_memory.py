@@ -38,7 +38,7 @@ def assert_theory(held, expected):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 2])
 def test_dynamic_cache_holds_only_keys_and_values(tiny_model, family, batch):
-    """Before transformers 5.0 the cache kept the first keys/values it was given: views into the fused
+    """On transformers 4.44-4.53 the cache kept the first keys/values it was given: views into the fused
     query_key_value output, which kept each layer's whole projection (queries included) alive."""
     model = tiny_model(family)
     after_prefill, after_decode = held_after_prefill_and_decode(model, None, batch)
@@ -77,7 +77,7 @@ def mapped_checkpoint_regions(folder: Path) -> list:
 
 def test_loading_in_bfloat16_keeps_no_checkpoint_mapping(golden):
     """The fp32 checkpoint loaded as bf16: no parameter or buffer may live in the file's memory map (transformers
-    >= 4.57 left the fp32 rotary `inv_freq` there, which kept the whole shard mapped and resident), and the
+    >= 4.53 left the fp32 rotary `inv_freq` there, which kept the whole shard mapped and resident), and the
     state-dict key stays."""
     model = load_causal_lm(golden.folder, dtype=torch.bfloat16)
     gc.collect()
