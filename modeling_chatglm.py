@@ -710,8 +710,8 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
         prefill, decode = query_length > 1 and not is_compiling() and int(query_positions[0, 0]) == 0, False
     else:
         prefill, decode = query_length == key_length, query_length == 1
-    if attention_mask is not None and (prefill or decode) and not is_compiling() and bool(attention_mask.all()):
-        attention_mask = None  # one host sync per forward buys the fused kernels (transformers' masks do the same)
+    if attention_mask is not None and prefill and not is_compiling() and bool(attention_mask.all()):
+        attention_mask = None  # one host sync per prompt buys the fused causal kernels (none per decode step)
     key_positions = torch.arange(key_length, device=query_positions.device)
     if implementation.startswith("flash"):
         if attention_mask is None and preallocated:  # only the written slots
@@ -721,9 +721,13 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
         return attention_mask
     if attention_mask is None and sequence_ids is None and (decode or (prefill and implementation == "sdpa")):
         return None
+    if decode:  # one new token on a cache that grows: every key precedes it, the padding alone is the mask
+        padding = attention_mask.bool()[:, None, None, :]
+        return padding | ~padding.any(dim=-1, keepdim=True)
     mask = key_positions[None, None, :] <= query_positions[:, :, None]
-    if sequence_ids is not None:  # a prompt: queries and keys are the same tokens
-        mask = mask & (sequence_ids[:, :, None] == sequence_ids[:, None, :])
+    if sequence_ids is not None:  # a prompt: its tokens are the first keys (a static cache's other slots: unwritten)
+        key_ids = F.pad(sequence_ids, (0, key_length - sequence_ids.shape[-1]), value=-1)
+        mask = mask & (sequence_ids[:, :, None] == key_ids[:, None, :])
     if attention_mask is not None:
         padding = attention_mask.bool()
         if padding.shape[-1] < key_length:  # a static cache's slots beyond the mask are unwritten
