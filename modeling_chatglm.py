@@ -154,13 +154,22 @@ def cache_from_legacy(past_key_values) -> DynamicCache:
     return DynamicCache.from_legacy_cache(past_key_values)
 
 
+# The static cache's length is `get_max_length` on 4.44, `get_max_cache_shape` on 4.46 to 5.x (4.46 to 4.57 log a
+# deprecation for `get_max_length`), and `get_max_length` again once 5.x restored it (5.16+ deprecate
+# `get_max_cache_shape`). A deprecated call logs, and logging inside a compiled graph breaks it.
+_MAX_LENGTH_QUERY = (
+    "get_max_length"
+    if hasattr(Cache, "get_max_length")
+    and (int(transformers.__version__.split(".")[0]) >= 5 or not hasattr(Cache, "get_max_cache_shape"))
+    else "get_max_cache_shape"
+)
+
+
 def max_cache_length(cache: Cache) -> Optional[int]:
-    """Preallocated length of a static cache, None for a cache that grows. The query is `get_max_length` on 4.44 and
-    5.x, `get_max_cache_shape` on 4.46 to 4.57."""
+    """Preallocated length of a static cache, None for a cache that grows."""
     if isinstance(cache, DynamicCache):
         return None
-    query = getattr(cache, "get_max_cache_shape", None) or getattr(cache, "get_max_length")
-    length = query()
+    length = getattr(cache, _MAX_LENGTH_QUERY)()
     return int(length) if length is not None and length > 0 else None
 
 
@@ -182,13 +191,30 @@ def attention_function(implementation: str):
 
 
 def sdpa_attention_forward_before_4_48(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    is_causal = attention_mask is None and query.shape[2] > 1
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal
-    )
+    """SDPA without expanding the key/value groups to every head, so that no step copies the cache: one new token's
+    query heads attend as rows of their group (any mask broadcasts over them), else torch's `enable_gqa`."""
+    batch, heads, query_length, dim = query.shape
+    groups = module.num_key_value_groups
+    if groups > 1 and query_length == 1:
+        out = F.scaled_dot_product_attention(
+            query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask,
+            dropout_p=dropout, scale=scaling,
+        ).reshape(batch, heads, 1, dim)
+    else:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            is_causal=attention_mask is None and query_length > 1, enable_gqa=groups > 1,
+        )
     return out.transpose(1, 2).contiguous(), None
+
+
+def static_cache_mask_before_4_53(attention_mask, sequence_length, target_length, cache_position, config,
+                                  **kwargs):
+    """transformers 4.46 to 4.52 ask the base model for a static cache's mask, of a fixed shape so that a compiled
+    decode step is the same graph at every position (4.53+ build it themselves; 4.44/4.45 see
+    prepare_inputs_before_4_46)."""
+    return build_attention_mask(attention_implementation(config, False), attention_mask, cache_position[None],
+                                target_length, batch_size=attention_mask.shape[0], preallocated=True)
 
 
 # Files a user copies one at a time. modeling_chatglm.py may be copied alone over an original checkpoint folder that
@@ -597,6 +623,13 @@ class RotaryEmbedding(nn.Module):
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32)
         return 1.0 / (10000 ** (steps / self.rotary_channels))
 
+    def own_loaded_buffer(self):
+        """Loading casts the weights to the requested dtype but (transformers >= 4.53) keeps this fp32 buffer as the
+        checkpoint gave it: a view into the file's memory map, which keeps the whole shard mapped and resident.
+        Called after loading: 32 floats of its own instead."""
+        if self.inv_freq.device.type == "cpu":
+            self.inv_freq = self.inv_freq.clone()
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `position_ids` [batch, seq]: [batch, 1, seq, rotary_channels], repeated per pair."""
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=position_ids.device)
@@ -706,9 +739,15 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
     if attention_mask is not None and attention_mask.dim() == 4:
         return attention_mask
     query_length = query_positions.shape[-1]
-    prefill = query_length == key_length
+    # Without padding, causality alone is the mask when the keys end with the queries (a prompt, one token on a cache
+    # that grows) or when a prompt fills an empty preallocated cache (its unwritten slots lie beyond every query;
+    # reading the first position costs one host sync per prompt). Other steps on a static cache mask its unwritten slots.
+    if preallocated:
+        prefill, decode = query_length > 1 and not is_compiling() and int(query_positions[0, 0]) == 0, False
+    else:
+        prefill, decode = query_length == key_length, query_length == 1
     if attention_mask is not None and prefill and not is_compiling() and bool(attention_mask.all()):
-        attention_mask = None  # one host sync per prompt buys the fused causal kernels
+        attention_mask = None  # one host sync per prompt buys the fused causal kernels (none per decode step)
     key_positions = torch.arange(key_length, device=query_positions.device)
     if implementation.startswith("flash"):
         if sequence_ids is not None and prefix:
@@ -719,13 +758,16 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
         if attention_mask is not None and attention_mask.shape[-1] < key_length:
             attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[-1]), value=0)
         return attention_mask
-    if attention_mask is None and sequence_ids is None and not preallocated \
-            and (query_length == 1 or (prefill and implementation == "sdpa")):
+    if attention_mask is None and sequence_ids is None and (decode or (prefill and implementation == "sdpa")):
         return None
+    if decode:  # one new token on a cache that grows: every key precedes it, the padding alone is the mask
+        padding = attention_mask.bool()[:, None, None, :]
+        return padding | ~padding.any(dim=-1, keepdim=True)
     mask = key_positions[None, None, :] <= query_positions[:, :, None]
-    if sequence_ids is not None:  # a prompt: its keys are its own tokens, after the prefix slots every query sees
-        key_ids = F.pad(sequence_ids, (prefix, 0), value=-1)
-        mask = mask & ((sequence_ids[:, :, None] == key_ids[:, None, :]) | (key_ids < 0)[:, None, :])
+    if sequence_ids is not None:  # a prompt: every query sees the prefix slots, then the keys of its own sequence
+        # (a static cache's slots after the prompt are unwritten)
+        key_ids = F.pad(sequence_ids, (prefix, key_length - prefix - sequence_ids.shape[-1]), value=-1)
+        mask = mask & ((sequence_ids[:, :, None] == key_ids[:, None, :]) | (key_positions < prefix)[None, None, :])
     if attention_mask is not None:
         padding = attention_mask.bool()
         if padding.shape[-1] < key_length:  # a static cache's slots beyond the mask are unwritten
@@ -772,7 +814,9 @@ class SelfAttention(nn.Module):
         """attend: the kernel the model chose for this forward (LayerInputs), else the configured one."""
         batch, seq, _ = hidden_states.shape
         query, key, value = self.split_heads(self.query_key_value(hidden_states))
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        # Rotary makes new query and key tensors; the value gets its own memory too. As a view it would keep the whole
+        # fused projection alive: pre-rotary queries through attention, and everything in a cache that stores it.
+        query, key, value = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value.contiguous()
         if past_key_values is not None:
             # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
             key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
@@ -857,11 +901,12 @@ class GLMBlock(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None, attend=None):
         normed = self.norm(self.input_layernorm, hidden_states)
-        attention_output, weights = self.self_attention(
+        residual = normed if self.residual_after_norm else hidden_states
+        # The attention output is rebound to the sum at once, not kept alive through the MLP (peak memory).
+        hidden_states, weights = self.self_attention(
             normed, cos, sin, attention_mask, cache_position, past_key_values, attend
         )
-        residual = normed if self.residual_after_norm else hidden_states
-        hidden_states = residual + F.dropout(attention_output, p=self.hidden_dropout, training=self.training)
+        hidden_states = residual + F.dropout(hidden_states, p=self.hidden_dropout, training=self.training)
 
         normed = self.norm(self.post_attention_layernorm, hidden_states)
         residual = normed if self.residual_after_norm else hidden_states
@@ -1224,6 +1269,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     # Attention kernels registered with transformers (AttentionInterface) run in every layer with the forward's extra
     # keyword arguments, and custom 4D masks are honoured (tests/test_attention.py).
     _supports_attention_backend = True
+    _can_compile_fullgraph = True  # static-cache decode compiles as one graph (tests/test_compile.py)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
@@ -1249,6 +1295,9 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         check_loaded_weights(model, info, pretrained_model_name_or_path)
         train_prefix_only(model.base_model)  # P-tuning v2: 5.x loads weights as new, trainable Parameters
         report_prefix_weights(model, info)
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.own_loaded_buffer()
         return (model, info) if with_info else model
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
@@ -1459,6 +1508,9 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.post_init()
         if device is not None:
             self.to(device)
+
+    # transformers 4.46 to 4.52 look for it here (see the compatibility layer).
+    _prepare_4d_causal_attention_mask_with_cache_position = staticmethod(static_cache_mask_before_4_53)
 
     def get_input_embeddings(self):
         return self.embedding.word_embeddings
@@ -2027,24 +2079,27 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
                                       position_ids=None, inputs_embeds=None, **kwargs):
         if position_ids is not None and inputs_embeds is None and position_ids.shape[-1] < input_ids.shape[-1]:
             position_ids = extend_position_ids(position_ids, input_ids.shape[-1])
-        if not _HAS_GENERIC_PREPARE_INPUTS:
-            return prepare_inputs_before_4_46(
-                input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, **kwargs
+        if _HAS_GENERIC_PREPARE_INPUTS:
+            model_inputs = super().prepare_inputs_for_generation(
+                input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs,
             )
-        model_inputs = super().prepare_inputs_for_generation(
-            input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs,
-        )
+        else:
+            model_inputs = prepare_inputs_before_4_46(
+                input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, config=self.config, **kwargs
+            )
         if self.transformer.prefix_encoder is not None and (attention_mask is None or attention_mask.dim() == 2):
-            # 4.53+ make a 4-D mask for static caches, blind to the prefix slots: the model builds its own.
+            # Static caches get a 4-D mask (4.53+, and ours before 4.46), blind to the prefix slots: the model builds
+            # its own from the 2-D one.
             model_inputs["attention_mask"] = attention_mask
         return model_inputs
 
 
 def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, position_ids, inputs_embeds,
-                               cache_position=None, use_cache=True, **kwargs):
+                               cache_position=None, use_cache=True, config=None, **kwargs):
     """transformers 4.44 / 4.45 (kept beside its only caller): keep the tokens the cache has not seen, given by
-    `cache_position`, and the prompt embeddings on the first step only."""
+    `cache_position`, and the prompt embeddings on the first step only. A static cache gets its mask at full length,
+    so that a compiled decode step sees the same shapes at every position (as later versions do)."""
     past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
     first_step = past_length == 0
     if cache_position is None:
@@ -2052,12 +2107,20 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
     if not first_step:
         # With inputs_embeds, input_ids hold only the generated tokens: take the newest ones.
         input_ids = input_ids[:, -cache_position.shape[0]:]
+    new_tokens = cache_position.shape[0]
+    # Fresh copies of the slices: a slice keeps its parent's strides, which a compiled step guards on.
     if inputs_embeds is not None and first_step:
         model_inputs = {"inputs_embeds": inputs_embeds}
     else:
-        model_inputs = {"input_ids": input_ids.contiguous()}
+        model_inputs = {"input_ids": input_ids.clone(memory_format=torch.contiguous_format)}
+    static_length = max_cache_length(past_key_values) if past_key_values is not None else None
+    if static_length and attention_mask is not None and attention_mask.dim() == 2:
+        if position_ids is None:  # the padding mask is about to become 4D: positions from it first
+            position_ids = ChatGLMModel.default_position_ids(attention_mask, None, new_tokens)
+        attention_mask = static_cache_mask_before_4_53(attention_mask, new_tokens, static_length, cache_position,
+                                                       config)
     if position_ids is not None:
-        model_inputs["position_ids"] = position_ids[:, -cache_position.shape[0]:]
+        model_inputs["position_ids"] = position_ids[:, -new_tokens:].clone(memory_format=torch.contiguous_format)
     model_inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
     model_inputs.update({k: v for k, v in kwargs.items()
                          if k in ("output_attentions", "output_hidden_states", "images")})

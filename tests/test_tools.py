@@ -1,4 +1,5 @@
-"""User tools and the demo, run as a user runs them; the installer also with faults injected (tests/tool_faults.py).
+"""User tools, the demo and the model benchmark, run as a user runs them; the installer also with faults injected
+(tests/tool_faults.py).
 
 Every installer test compares the folder's exact state (each entry's kind, bytes, mode, modification time, link
 target) with the state before, or with the result of a run without faults.
@@ -13,7 +14,8 @@ import sys
 
 import pytest
 import torch
-from conftest import CODE_FILES, REPO, load_causal_lm, shared_path
+from conftest import CODE_FILES, REPO, TRANSFORMERS, load_causal_lm, shared_path
+from packaging.version import Version
 
 import install_into_checkpoint as installer
 from folder_transaction import JOURNAL, MANIFEST, ORIGINALS, TRANSACTION, fork_version
@@ -477,3 +479,21 @@ def test_gpu_check_script_runs_on_a_cpu_only_machine(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     data = json.loads(rows.read_text())
     assert [r["family"] for r in data] == ["glm4", "chatglm3"] and all(r["ok"] for r in data)
+
+
+@pytest.mark.matrix_ends
+def test_model_benchmark_runs_from_a_clone(tmp_path):
+    """The benchmark's whole path on a tiny model (no timing is asserted): its KV bytes equal the theory, and where
+    transformers has GlmForCausalLM, the native model generates the fork's tokens and has its KV bytes too."""
+    numbers = tmp_path / "numbers.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "model_benchmark.py"), "--quick", "--sections", "kv,generate",
+         "--json", str(numbers)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    rows = json.loads(numbers.read_text())["rows"]
+    kv = [row for row in rows if row["section"] == "KV memory"]
+    assert len(kv) == 4 and all(abs(share - 1) <= 0.01 for row in kv for share in row["held_over_theory"].values())
+    if TRANSFORMERS >= Version("4.46"):
+        generated = [row for row in rows if row["section"] == "generate"]
+        assert [row["note"] for row in generated] == ["same tokens", "same tokens"]
+        assert all("ratio" in row for row in rows)

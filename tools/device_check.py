@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kv_cache
+
 # repetition_penalty: a logits processor that reads the ids beside the scores, so both must share a device.
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)
 
@@ -34,12 +36,8 @@ def place(model: torch.nn.Module, device_map: dict) -> torch.nn.Module:
 
 
 def cache_devices(cache) -> list:
-    """The device of each layer's cached keys and values (the Cache layout changed in transformers 4.56)."""
-    if hasattr(cache, "layers"):
-        pairs = [(layer.keys, layer.values) for layer in cache.layers]
-    else:
-        pairs = list(zip(cache.key_cache, cache.value_cache))
-    return [(str(k.device), str(v.device)) for k, v in pairs]
+    """The device of each layer's cached keys and values."""
+    return [(str(k.device), str(v.device)) for k, v in kv_cache.layer_tensors(cache)]
 
 
 def layer_devices(model) -> list:

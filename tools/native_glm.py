@@ -1,11 +1,14 @@
 """Conversion of a ChatGLM checkpoint to transformers' own GlmForCausalLM (transformers >= 4.46): an independent
-implementation of the same architecture to compare against.
+implementation of the same architecture to compare against. Shared by the tests (parity) and by
+benchmarks/model_benchmark.py (speed and memory).
 
 Layout facts: the fused `query_key_value` is [all q | all k | all v] (multi-query attention); `dense_h_to_4h` is
 [gate | up], like Glm's `gate_up_proj`; the rotary base is 10000 * rope_ratio and half of each head turns, as
 interleaved pairs (Glm's partial_rotary_factor 0.5).
 """
 import inspect
+import json
+from pathlib import Path
 
 import torch
 import transformers
@@ -70,3 +73,27 @@ def native_glm(model, rope_theta=None, attn_implementation="eager"):
     missing, unexpected = native.load_state_dict(convert_state_dict(model.state_dict(), model.config), strict=False)
     assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)
     return native.eval()
+
+
+def save_native_checkpoint(model, folder) -> Path:
+    """Write `model`'s weights as a GlmForCausalLM checkpoint in the model's dtype (config.json, one safetensors
+    shard per layer), so that a native model loads from disk as ours does. The converted tensors are views of the
+    model's; one layer's copies at a time are made for writing, so a full-size model converts in place."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = native_glm_config(model.config)
+    config.save_pretrained(folder)
+    groups = {}
+    for key, tensor in convert_state_dict(model.state_dict(), model.config).items():
+        layer = key.split(".")[2] if key.startswith("model.layers.") else "outer"
+        groups.setdefault(layer, {})[key] = tensor
+    weight_map = {}
+    for number, group in enumerate(groups.values()):
+        name = f"model-{number + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in group.items()}, str(folder / name),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder

@@ -1,0 +1,607 @@
+#!/usr/bin/env python
+"""Speed and memory of the fork's model against transformers' own GlmForCausalLM holding the same weights.
+
+    python benchmarks/model_benchmark.py                      # CPU: a random GLM-4-shaped model (155M), built here
+    python benchmarks/model_benchmark.py --threads 1 --clock cpu      # on a machine shared with other work
+    python benchmarks/model_benchmark.py --model /path/to/glm-4-9b-chat --device cuda
+    python benchmarks/model_benchmark.py --preset glm-4-9b --checkpoint-dtype bfloat16 --device cuda
+
+Both models load from checkpoints on disk (the fork's through trust_remote_code from a folder holding this
+repository's code, the native one converted by tools/native_glm.py), run in this process with `sdpa` attention, and
+are measured in interleaved rounds (fork first, then native first, ...). Each line prints both medians and
+`ratio` = native cost / fork cost (time or bytes; for rates fork / native): >= 1.00 means the fork is at least as
+fast or as small. `rounds` is the spread of the per-round ratios, the noise a ratio is to be read against.
+
+Sections: KV bytes the cache keeps alive (every storage counted once, against the theory); prefill time and peak
+tensor memory; single-sequence decode at several contexts and how its cost grows with the context; batched decode;
+generate() with dynamic and static caches (both models must produce the same tokens); load and long-prefill memory
+of fresh processes (RSS); decode against the memory bandwidth: weights + KV bytes read per step over the step time,
+against a STREAM-like copy measured in the same run, and against the model's own matrix-vector products timed alone
+(what torch's kernels reach on these weights). Decode steps run on caches filled with random keys and values to the
+wanted context (their values do not change the work). --json writes every number; a Markdown table ends the output.
+transformers < 4.46 has no GlmForCausalLM: the fork's numbers are printed alone.
+"""
+import argparse
+import atexit
+import contextlib
+import gc
+import inspect
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Remote code is imported from a fresh modules cache (set before transformers reads it), removed at exit.
+_MODULES_CACHE = tempfile.mkdtemp(prefix="chatglm-benchmark-modules-")
+os.environ["HF_MODULES_CACHE"] = _MODULES_CACHE
+atexit.register(shutil.rmtree, _MODULES_CACHE, True)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from packaging.version import Version  # noqa: E402
+
+import kv_cache  # noqa: E402
+from install_into_checkpoint import CODE_FILES  # noqa: E402
+
+TRANSFORMERS = Version(transformers.__version__)
+HAS_NATIVE = hasattr(transformers, "GlmForCausalLM")
+PRESETS = {
+    # GLM-4's shape (grouped keys/values, half-rotary, SwiGLU) at 155M parameters: 8 layers.
+    "small": dict(num_layers=8, hidden_size=1024, num_attention_heads=16, kv_channels=64, multi_query_group_num=2,
+                  ffn_hidden_size=2816, padded_vocab_size=32768, seq_length=8192),
+    "glm-4-9b": {},  # config.json as it is (glm-4-9b-chat)
+    "tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, kv_channels=32, multi_query_group_num=2,
+                 ffn_hidden_size=256, padded_vocab_size=1024, seq_length=1024),  # --quick
+}
+MIB = 2 ** 20
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints and models
+
+
+def dtype_kwarg(dtype) -> dict:
+    return {"dtype": dtype} if TRANSFORMERS >= Version("4.56") else {"torch_dtype": dtype}
+
+
+def with_code(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in CODE_FILES:
+        shutil.copy(REPO / name, folder / name)
+    return folder
+
+
+def build_random_checkpoints(workdir: Path, preset: str, checkpoint_dtype) -> tuple:
+    """A random checkpoint in the original layout with this repository's code, and its native twin."""
+    config = json.loads((REPO / "config.json").read_text())
+    config.update(PRESETS[preset])
+    config.update(num_hidden_layers=config["num_layers"], pad_token_id=0, eos_token_id=2)
+    fork = with_code(workdir / "fork")
+    (fork / "config.json").write_text(json.dumps(config))
+    model_config = transformers.AutoConfig.from_pretrained(fork, trust_remote_code=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config, trust_remote_code=True,
+                                                          **dtype_kwarg(checkpoint_dtype))
+    with torch.no_grad():  # every weight explicit (5.x leaves initialisation to loading)
+        for name, param in model.named_parameters():
+            param.copy_(torch.ones_like(param) if "layernorm" in name else torch.randn_like(param) * 0.02)
+    model.save_pretrained(fork)
+    with_code(fork)
+    return fork, save_native(model, workdir)
+
+
+def link_checkpoint(source: Path, workdir: Path) -> tuple:
+    """--model PATH: the checkpoint's files linked beside this repository's code, and a native conversion."""
+    fork = workdir / "fork"
+    fork.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.suffix != ".py":
+            (fork / item.name).symlink_to(item.resolve())
+    with_code(fork)
+    model = transformers.AutoModelForCausalLM.from_pretrained(fork, trust_remote_code=True, **dtype_kwarg("auto"))
+    return fork, save_native(model, workdir)
+
+
+def save_native(model, workdir: Path):
+    if not HAS_NATIVE:
+        return None
+    import native_glm
+
+    return native_glm.save_native_checkpoint(model, workdir / "native")
+
+
+def load(kind: str, folder: Path, dtype, device: str):
+    kwargs = dict(dtype_kwarg(dtype), attn_implementation="sdpa")
+    if device != "cpu":
+        kwargs["device_map"] = device
+    if kind == "fork":
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs)
+    else:
+        model = transformers.GlmForCausalLM.from_pretrained(folder, **kwargs)
+    return model.eval()
+
+
+def kv_sizes(model):
+    """(layers, key/value heads, head dim) from either model's config."""
+    config = model.config
+    if hasattr(config, "multi_query_group_num"):
+        return config.num_layers, config.multi_query_group_num, config.kv_channels
+    return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+
+
+def kv_theory(model, batch: int, length: int) -> int:
+    layers, heads, dim = kv_sizes(model)
+    return kv_cache.theory_bytes(layers, batch, heads, length, dim, model.dtype)
+
+
+def new_cache(model, kind: str, batch: int, max_length: int):
+    if kind == "static":
+        return kv_cache.new_static_cache(model.config, batch, max_length, model.device, model.dtype)
+    from transformers import DynamicCache
+
+    if "config" in inspect.signature(DynamicCache.__init__).parameters:
+        return DynamicCache(config=model.config)
+    return DynamicCache()
+
+
+def filled_cache(model, kind: str, batch: int, context: int, max_length: int, generator):
+    """A cache holding `context` positions of random keys and values, as a prefill of that length leaves it."""
+    cache = new_cache(model, kind, batch, max_length)
+    layers, heads, dim = kv_sizes(model)
+    positions = torch.arange(context, device=model.device)
+    for layer in range(layers):
+        keys, values = (torch.randn(batch, heads, context, dim, generator=generator).to(model.device, model.dtype)
+                        for _ in range(2))
+        cache.update(keys, values, layer, {"cache_position": positions})
+    return cache
+
+
+def last_logit_kwargs(model) -> dict:
+    params = inspect.signature(model.forward).parameters
+    if "logits_to_keep" in params:
+        return {"logits_to_keep": 1}
+    return {"num_logits_to_keep": 1} if "num_logits_to_keep" in params else {}
+
+
+def random_ids(batch: int, length: int, seed: int, device) -> torch.Tensor:
+    return torch.randint(3, 1000, (batch, length), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measuring
+
+
+class Clock:
+    """Seconds a call takes: wall time, or (`cpu`) the process's CPU time, which time slices given to other
+    processes on a shared machine do not inflate (meaningful with --threads 1; wall time on CUDA)."""
+
+    def __init__(self, device: str, kind: str):
+        self.cuda = device.startswith("cuda")
+        self.now = time.process_time if kind == "cpu" and not self.cuda else time.perf_counter
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = self.now()
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return self.now() - start
+
+
+@contextlib.contextmanager
+def peak_tensor_bytes(device: str):
+    """Peak bytes of tensors allocated inside the block over what was allocated before it (CUDA: the allocator's
+    statistics; CPU: the profiler's allocation events, which malloc's own caching does not blur)."""
+    result = {}
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        yield result
+        torch.cuda.synchronize()
+        result["peak"] = torch.cuda.max_memory_allocated() - start
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield result
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    result["peak"] = peak
+
+
+def proc_status_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def reset_peak_rss():
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM starts again from the current RSS
+
+
+def interleaved(rounds: int, models: dict, measure) -> dict:
+    """measure(name, model) once per model per round, alternating which goes first."""
+    names = list(models)
+    values = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            values[name].append(measure(name, models[name]))
+    return values
+
+
+class Results:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, section, metric, unit, values: dict, higher_is_better=False, note=None, **extra):
+        """values: per-model lists of per-round numbers (paired by round)."""
+        fork = values["fork"]
+        row = dict(section=section, metric=metric, unit=unit, fork=statistics.median(fork), fork_rounds=fork)
+        native = values.get("native")
+        if native:
+            row.update(native=statistics.median(native), native_rounds=native)
+            row["ratio"] = row["fork"] / row["native"] if higher_is_better else row["native"] / row["fork"]
+            ratios = [(f / n if higher_is_better else n / f) for f, n in zip(fork, native) if f and n]
+            row["noise"] = (min(ratios), max(ratios)) if len(ratios) > 1 else None
+        if note:
+            row["note"] = note
+        row.update(extra)
+        self.rows.append(row)
+        print(format_row(row), flush=True)
+        return row
+
+
+def format_value(value, unit) -> str:
+    if unit in ("MiB", "MB"):
+        return f"{value:.1f}"
+    return f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def format_row(row) -> str:
+    text = f"  {row['metric']:<50} fork {format_value(row['fork'], row['unit']):>7} {row['unit']:<8}"
+    if "native" in row:
+        text += f" native {format_value(row['native'], row['unit']):>7}  ratio {row['ratio']:.2f}"
+        if row.get("noise"):
+            text += f" (rounds {row['noise'][0]:.2f}..{row['noise'][1]:.2f})"
+    return text + (f"  {row['note']}" if row.get("note") else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sections
+
+
+def kv_memory(results, models, args):
+    """Storage the cache keeps alive after a prefill and after decode steps, against keys + values alone."""
+    prompt, steps = args.prefill, 4
+    ids = random_ids(1, prompt + steps, 1, args.device)
+    for kind in ("dynamic", "static"):
+        held = {}
+        for name, model in models.items():
+            cache = new_cache(model, kind, 1, prompt + steps)
+            with torch.no_grad():
+                cache = model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True,
+                              **last_logit_kwargs(model)).past_key_values
+                held[name] = [kv_cache.held_bytes(cache)]
+                for step in range(prompt, prompt + steps):
+                    cache = model(input_ids=ids[:, step:step + 1], past_key_values=cache, use_cache=True,
+                                  **last_logit_kwargs(model)).past_key_values
+                held[name].append(kv_cache.held_bytes(cache))
+            del cache
+            gc.collect()
+        fork = models["fork"]
+        for index, when in enumerate(("after prefill", f"after {steps} decode steps")):
+            length = prompt + steps if kind == "static" or index else prompt
+            theory = kv_theory(fork, 1, length)
+            note = "held / theory: " + ", ".join(f"{name} {held[name][index] / theory:.3f}" for name in models)
+            results.add("KV memory", f"{kind} cache {when} {prompt} (theory {theory / 1e6:.2f} MB)", "MB",
+                        {name: [held[name][index] / 1e6] for name in models}, note=note,
+                        held_over_theory={name: held[name][index] / theory for name in models})
+
+
+def prefill(results, models, args, clock):
+    def run(model, ids):
+        with torch.no_grad():
+            return model(input_ids=ids, use_cache=True, **last_logit_kwargs(model))
+
+    timed_ids = random_ids(1, args.prefill_timed, 2, args.device)
+    for model in models.values():
+        run(model, timed_ids)  # warm-up
+    times = interleaved(args.rounds, models, lambda name, model: clock(lambda: run(model, timed_ids)) * 1e3)
+    results.add("prefill", f"prefill {args.prefill_timed} tokens", "ms", times)
+
+    ids = random_ids(1, args.prefill, 3, args.device)
+
+    def peak(name, model):
+        gc.collect()
+        with peak_tensor_bytes(args.device) as measured:
+            out = run(model, ids)
+            del out
+        return measured["peak"] / MIB
+
+    results.add("prefill", f"prefill {args.prefill}: peak tensor memory (cache included)", "MiB",
+                interleaved(1, models, peak))
+
+
+def decode_step_times(models, args, clock, kind, batch, context) -> dict:
+    """Seconds per decode step on a cache holding `context` positions (the first step, which sets up lazily
+    allocated state, untimed)."""
+    generator = torch.Generator().manual_seed(4)
+    tokens = random_ids(batch, args.steps, 5, args.device)
+
+    def measure(name, model):
+        cache = filled_cache(model, kind, batch, context, context + args.steps, generator)
+        with torch.no_grad():
+            model(input_ids=tokens[:, :1], past_key_values=cache, use_cache=True)
+            seconds = clock(lambda: [model(input_ids=tokens[:, i:i + 1], past_key_values=cache, use_cache=True)
+                                     for i in range(1, args.steps)])
+        return seconds / (args.steps - 1)
+
+    return interleaved(args.rounds, models, measure)
+
+
+def decode(results, models, args, clock):
+    for kind in ("dynamic", "static"):
+        per_context = {}
+        for context in args.contexts:
+            times = decode_step_times(models, args, clock, kind, 1, context)
+            per_context[context] = {name: [t * 1e3 for t in values] for name, values in times.items()}
+            results.add("decode", f"decode bs=1, {kind} cache, context {context}", "ms/step", per_context[context])
+        first, last = args.contexts[0], args.contexts[-1]
+        growth = {name: [b / a for a, b in zip(per_context[first][name], per_context[last][name])] for name in models}
+        results.add("decode", f"decode growth {last}/{first}, {kind} cache", "x", growth)
+    for kind in ("dynamic", "static"):
+        times = decode_step_times(models, args, clock, kind, args.batch, args.batch_context)
+        results.add("decode", f"batched decode bs={args.batch}, {kind} cache, context {args.batch_context}",
+                    "tokens/s", {name: [args.batch / t for t in values] for name, values in times.items()},
+                    higher_is_better=True)
+
+
+def generate(results, models, args, clock):
+    ids = random_ids(1, args.gen_prompt, 6, args.device)
+    kwargs = dict(max_new_tokens=args.gen_new, min_new_tokens=args.gen_new, do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+    for kind in ("dynamic", "static"):
+        extra = {"cache_implementation": "static"} if kind == "static" else {}
+        outputs = {}
+
+        def run(name, model):
+            with torch.no_grad():
+                outputs[name] = model.generate(ids, **kwargs, **extra)
+
+        for name, model in models.items():
+            run(name, model)  # warm-up
+        ms = interleaved(args.rounds, models, lambda name, model: clock(lambda: run(name, model)) * 1e3 / args.gen_new)
+        note = None
+        if len(outputs) == 2:
+            note = "same tokens" if torch.equal(outputs["fork"], outputs["native"]) else "TOKENS DIFFER"
+        results.add("generate", f"generate {args.gen_prompt}+{args.gen_new} tokens, {kind} cache", "ms/token", ms,
+                    note=note)
+
+
+def child_memory(args):
+    """In a fresh process: load in --load-dtype, then one long prefill; prints RSS growth (KiB), and CUDA memory
+    (KiB), as JSON."""
+    cuda = args.device.startswith("cuda")
+    gc.collect()
+    start = proc_status_kib("VmRSS")
+    reset_peak_rss()
+    model = load(args.child, Path(args.child_folder), getattr(torch, args.load_dtype), args.device)
+    gc.collect()
+    numbers = dict(load_kept=proc_status_kib("VmRSS") - start, load_peak=proc_status_kib("VmHWM") - start)
+    if cuda:
+        numbers["cuda_load"] = torch.cuda.memory_allocated() / 1024
+    with torch.no_grad():
+        model(input_ids=random_ids(1, 8, 7, args.device))  # touches every weight: resident before the peak
+        gc.collect()
+        before = proc_status_kib("VmRSS")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        reset_peak_rss()
+        model(input_ids=random_ids(1, args.prefill, 8, args.device), use_cache=True, **last_logit_kwargs(model))
+    numbers["prefill_peak"] = proc_status_kib("VmHWM") - before
+    if cuda:
+        numbers["cuda_prefill_peak"] = torch.cuda.max_memory_allocated() / 1024 - numbers["cuda_load"]
+    print(json.dumps(numbers))
+
+
+def process_memory(results, folders, args):
+    def measure(name, folder):
+        command = [sys.executable, __file__, "--child", name, "--child-folder", str(folder), "--load-dtype",
+                   args.load_dtype,
+                   "--device", args.device, "--prefill", str(args.prefill), "--threads", str(args.threads)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"the memory run of {name} failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    runs = interleaved(args.memory_rounds, folders, measure)
+    labels = {"load_kept": f"load as {args.load_dtype} ({args.checkpoint_dtype} checkpoint): RSS kept",
+              "load_peak": f"load as {args.load_dtype}: peak RSS",
+              "prefill_peak": f"{args.load_dtype} prefill {args.prefill}: peak RSS over the loaded model",
+              "cuda_load": f"load as {args.load_dtype}: CUDA memory allocated",
+              "cuda_prefill_peak": f"{args.load_dtype} prefill {args.prefill}: peak CUDA memory over the model"}
+    for key, label in labels.items():
+        if key in runs["fork"][0]:
+            results.add("process memory", label, "MiB", {name: [r[key] / 1024 for r in rs] for name, rs in runs.items()})
+
+
+def memory_bandwidth(device: str, clock, rounds: int) -> tuple:
+    """Bytes per second of a STREAM 'Copy' (read + written) and of a read-only pass (a sum), best of `rounds`, on
+    512 MiB arrays, far beyond the caches; timed with the clock the decode steps use."""
+    src = torch.rand((512 * MIB) // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy = 2 * src.nbytes / min(clock(lambda: dst.copy_(src)) for _ in range(rounds))
+    read = src.nbytes / min(clock(lambda: src.sum()) for _ in range(rounds))
+    return copy, read
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter but the embedding table, of which one row."""
+    embedding = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    return total + embedding.shape[1] * embedding.element_size()
+
+
+def matrix_vector_seconds(model, batch: int, clock) -> float:
+    """The decode step's matrix products alone (every nn.Linear once, on a [batch, 1, in] input): what torch's
+    kernels take to stream these weights, without attention, norms or Python around them."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(batch, 1, m.in_features, device=model.device, dtype=model.dtype) for m in linears]
+
+    def run():
+        with torch.no_grad():
+            for module, x in zip(linears, inputs):
+                torch.nn.functional.linear(x, module.weight, module.bias)
+
+    run()
+    return min(clock(run) for _ in range(3))
+
+
+def hardware_limit(results, folders, args, clock):
+    bandwidth, read = memory_bandwidth(args.device, clock, max(3, args.rounds))
+    print(f"  copy {bandwidth / 1e9:.1f} GB/s, read {read / 1e9:.1f} GB/s", flush=True)
+    context = args.contexts[0]
+    for dtype_name in args.limit_dtypes:
+        models = {name: load(name, folder, getattr(torch, dtype_name), args.device) for name, folder in folders.items()}
+        moved = {name: decode_weight_bytes(model) + kv_theory(model, 1, context) for name, model in models.items()}
+        times = decode_step_times(models, args, clock, "dynamic", 1, context)
+        rates = {name: [moved[name] / t / 1e9 for t in values] for name, values in times.items()}
+        kernels = moved["fork"] / matrix_vector_seconds(models["fork"], 1, clock) / 1e9
+        fork_rate = statistics.median(rates["fork"])
+        note = (f"fork: {fork_rate * 1e9 / bandwidth:.0%} of copy ({bandwidth / 1e9:.1f} GB/s), "
+                f"{fork_rate * 1e9 / read:.0%} of read ({read / 1e9:.1f} GB/s); its matrix-vector products alone "
+                f"{kernels:.1f} GB/s ({kernels * 1e9 / bandwidth:.0%} of copy), the whole step {fork_rate / kernels:.0%} "
+                "of that")
+        results.add("memory bandwidth", f"decode bs=1 {dtype_name}, context {context}: (weights + KV) / step",
+                    "GB/s", rates, higher_is_better=True, note=note, copy=bandwidth, read=read,
+                    share_of_copy=fork_rate * 1e9 / bandwidth, kernels_share_of_copy=kernels * 1e9 / bandwidth,
+                    bytes_per_step=moved["fork"])
+        del models
+        gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def machine_line(args) -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, AttributeError):
+        cpu = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()).group(1).strip()
+    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"{cpu}, {os.cpu_count()} CPUs"
+    return (f"{device}; {torch.get_num_threads()} threads, {args.clock} clock; torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, Python {platform.python_version()}")
+
+
+def markdown(results, args, header) -> str:
+    lines = [f"{time.strftime('%Y-%m-%d')}, {header}. Compute dtype {args.dtype}; medians of {args.rounds} "
+             "interleaved rounds; ratio = native cost / fork cost (rates: fork / native), >= 1.00 means the fork "
+             "is at least as fast or as small.", "",
+             "| metric | unit | fork | native Glm | ratio | per-round ratios | note |", "|---|---|---|---|---|---|---|"]
+    for row in results.rows:
+        native = format_value(row["native"], row["unit"]) if "native" in row else ""
+        ratio = f"{row['ratio']:.2f}" if "ratio" in row else ""
+        noise = f"{row['noise'][0]:.2f}..{row['noise'][1]:.2f}" if row.get("noise") else ""
+        lines.append(f"| {row['metric']} | {row['unit']} | {format_value(row['fork'], row['unit'])} | {native} | "
+                     f"{ratio} | {noise} | {row.get('note', '')} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="a ChatGLM2/3 or GLM-4 checkpoint folder (default: random weights)")
+    parser.add_argument("--preset", choices=["small", "glm-4-9b"], default="small", help="size of the random model")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--checkpoint-dtype", default="float32", help="dtype the random checkpoint is saved in")
+    parser.add_argument("--load-dtype", default="bfloat16", help="dtype of the fresh-process load and prefill")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: process CPU time, robust to other processes on a shared machine (use --threads 1)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per timing")
+    parser.add_argument("--memory-rounds", type=int, default=3, help="fresh processes per model for the RSS lines")
+    parser.add_argument("--contexts", default="128,2048", help="single-sequence decode contexts, comma-separated")
+    parser.add_argument("--steps", type=int, default=9, help="decode steps per round (the first one untimed)")
+    parser.add_argument("--batch", type=int, default=8, help="batched decode: sequences")
+    parser.add_argument("--batch-context", type=int, default=128, help="batched decode: context")
+    parser.add_argument("--prefill", type=int, default=2048, help="long prefill (KV bytes, peak memory)")
+    parser.add_argument("--prefill-timed", type=int, default=512, help="prefill length timed")
+    parser.add_argument("--gen-prompt", type=int, default=32)
+    parser.add_argument("--gen-new", type=int, default=64)
+    parser.add_argument("--limit-dtypes", help="dtypes of the bandwidth lines (default: float32,bfloat16 on CPU)")
+    parser.add_argument("--sections", default="kv,prefill,decode,generate,memory,bandwidth")
+    parser.add_argument("--workdir", type=Path, help="where the checkpoints are written (default: a temporary folder)")
+    parser.add_argument("--json", type=Path, help="also write every number to this file")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, short runs: checks that everything runs")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-folder", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.limit_dtypes = (args.limit_dtypes or ("float32,bfloat16" if args.device == "cpu" else args.dtype)).split(",")
+    if args.quick:
+        args.preset = "tiny"
+        args.rounds, args.memory_rounds, args.steps, args.prefill, args.prefill_timed = 2, 1, 3, 64, 32
+        args.contexts, args.batch, args.batch_context, args.gen_prompt, args.gen_new = "16,64", 2, 16, 8, 8
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.sections = set(args.sections.split(","))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.child:
+        child_memory(args)
+        return 0
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chatglm-benchmark-"))
+    if args.model is not None:
+        fork_folder, native_folder = link_checkpoint(args.model, workdir)
+        args.checkpoint_dtype, header = "saved", args.model.name
+    else:
+        fork_folder, native_folder = build_random_checkpoints(workdir, args.preset,
+                                                              getattr(torch, args.checkpoint_dtype))
+        header = f"random {args.preset} model"
+    folders = {"fork": fork_folder, "native": native_folder} if native_folder else {"fork": fork_folder}
+    clock = Clock(args.device, args.clock)
+    models = {name: load(name, folder, getattr(torch, args.dtype), args.device) for name, folder in folders.items()}
+    header += f" ({sum(p.numel() for p in models['fork'].parameters()) / 1e6:.0f}M parameters); {machine_line(args)}"
+    print(header if HAS_NATIVE else f"{header}\n(no GlmForCausalLM in transformers {transformers.__version__})",
+          flush=True)
+    results = Results()
+    for section, run in (("kv", kv_memory), ("prefill", prefill), ("decode", decode), ("generate", generate)):
+        if section in args.sections:
+            print(f"{section}:", flush=True)
+            run(results, models, args) if section == "kv" else run(results, models, args, clock)
+    del models
+    gc.collect()
+    if "memory" in args.sections:
+        print("fresh processes:", flush=True)
+        process_memory(results, folders, args)
+    if "bandwidth" in args.sections:
+        print("memory bandwidth:", flush=True)
+        hardware_limit(results, folders, args, clock)
+    print("\n" + markdown(results, args, header))
+    if args.json:
+        args.json.write_text(json.dumps(dict(header=header, rows=results.rows), indent=1, default=str))
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
