@@ -34,8 +34,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from folder_transaction import (
-    REPO, Failed, Refused, check_target_folder, command, folder_lock, plan_update, read_manifest, recover, report,
-    run_plan,
+    REPO, Refused, check_target_folder, command, exit_code, finish_interrupted_run, folder_lock, plan_update,
+    read_manifest, report, run_plan,
 )
 
 sys.path.insert(0, str(REPO))
@@ -214,12 +214,6 @@ def revert(output: Path, force: bool) -> int:
     return 0
 
 
-def finish_interrupted_run(folder: Path) -> None:
-    note = recover(folder)
-    if note:
-        print(f"note: {note}")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="GLM-4 or ChatGLM3 checkpoint folder, or its tokenizer.model")
@@ -229,19 +223,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     model_path = args.source / "tokenizer.model" if args.source.is_dir() else args.source
     output = args.output or model_path.with_name("tokenizer.json")
-    try:
+
+    def run() -> int:
         if args.revert:
             return revert(output, args.force)
         if not model_path.is_file():
             raise Refused(f"{model_path} not found: expected GLM-4's or ChatGLM3's tokenizer.model")
         return convert(model_path, output, args.force)
-    except Refused as error:
-        print(f"refused: {error}", file=sys.stderr)
-        return 2
-    except (Failed, OSError) as error:
-        message = error if isinstance(error, Failed) else f"{error.strerror or error} ({error.filename})"
-        print(f"error: {message}", file=sys.stderr)
-        return 1
+
+    return exit_code(run)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = "chatglm_fork_manifest.json"
@@ -296,6 +297,37 @@ def recover(folder: Path) -> Optional[str]:
         return f"undid an interrupted {operation} from its journal: the folder is as it was before it"
     DISK.rmtree(transaction)
     return f"removed the staged files of an interrupted run ({TRANSACTION}/), which had changed nothing"
+
+
+def finish_interrupted_run(folder: Path) -> None:
+    """Run at the start of every command of the fork's tools (not a dry run): says what it found and did."""
+    try:
+        note = recover(folder)
+    except OSError as error:
+        raise Failed(f"an interrupted run left {folder / TRANSACTION}, and finishing it failed "
+                     f"({_describe(error)}); fix that and run again") from None
+    if note:
+        print(f"note: {note}")
+
+
+def exit_code(command_line: Callable[[], int]) -> int:
+    """Run a tool's command; what a user can cause ends in a message, not a traceback: 2 refused, 1 failed with the
+    folder unchanged (or, for Ctrl-C, unchanged unless the change had completed)."""
+    try:
+        return command_line()
+    except Refused as error:
+        print(f"refused: {error}", file=sys.stderr)
+        return 2
+    except Failed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # reading the folder (permissions, a vanished file): nothing was changed yet
+        print(f"error: {_describe(error)}; nothing was changed.", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted; a change that had not completed was undone (install_into_checkpoint.py --status "
+              "says what the folder holds)", file=sys.stderr)
+        return 1
 
 
 def _describe(error: BaseException) -> str:

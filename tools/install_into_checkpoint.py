@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 from folder_transaction import (
-    MANIFEST, ORIGINALS, REPO, TRANSACTION, Failed, Refused, check_target_folder, command, folder_lock, fork_version,
-    look, plan_update, read_manifest, recover, report, run_plan, sha256,
+    MANIFEST, ORIGINALS, REPO, TRANSACTION, Refused, check_target_folder, command, exit_code, finish_interrupted_run,
+    folder_lock, fork_version, look, plan_update, read_manifest, report, run_plan, sha256,
 )
 
 # The files a user copies over a downloaded checkpoint (the demo and the tests read this list too). A companion
@@ -213,7 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="also replace files changed by hand since the install")
     args = parser.parse_args(argv)
     folder = args.checkpoint
-    try:
+
+    def run() -> int:
         check_target_folder(folder)
         with folder_lock(folder):
             if not args.dry_run:
@@ -226,29 +227,8 @@ def main(argv=None) -> int:
             if args.revert:
                 return revert(folder, args.force, args.dry_run)
             return install(folder, force=args.force, dry_run=args.dry_run)
-    except Refused as error:
-        print(f"refused: {error}", file=sys.stderr)
-        return 2
-    except Failed as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:  # reading the folder (permissions, a vanished file): nothing was changed yet
-        print(f"error: {error.strerror or error} ({error.filename}); nothing was changed in {folder}.", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"error: interrupted; a change that had not completed was undone (--status says what is installed "
-              f"in {folder})", file=sys.stderr)
-        return 1
 
-
-def finish_interrupted_run(folder: Path) -> None:
-    try:
-        note = recover(folder)
-    except OSError as error:
-        raise Failed(f"an interrupted run left {folder / TRANSACTION}, and finishing it failed "
-                     f"({error.strerror or error}); fix that and run again") from None
-    if note:
-        print(f"note: {note}")
+    return exit_code(run)
 
 
 if __name__ == "__main__":
