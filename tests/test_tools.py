@@ -88,22 +88,11 @@ def test_install_keeps_the_originals_loads_the_golden_checkpoint_and_reverts_byt
     assert_installed(folder, {name: ORIGINAL_CODE[name].encode() for name in ORIGINAL_NAMES})
     from safetensors.torch import load_file
 
-    expected = load_file(str(shared_path("golden", case, "expected.safetensors")))
+    expected = load_file(str(shared_path("golden", "glm4-chat-tiny", "expected.safetensors")))
     model = load_causal_lm(folder, attn_implementation="eager")
     with torch.no_grad():
-        logits = model(input_ids=expected[ids_name][None]).logits[0]
-    torch.testing.assert_close(logits, expected[logits_name], atol=1e-4, rtol=1e-4)
-
-
-def test_install_into_a_glm4v_checkpoint_replaces_its_visual_py(tmp_path):
-    """glm-4v-9b ships a visual.py of its own: it is backed up like the other original files, and ours loads."""
-    folder = downloaded_checkpoint(tmp_path, "glm4v-tiny-text", "downloaded_glm4v")
-    (folder / "visual.py").write_text("# the original visual.py\n")
-    subprocess.run(INSTALL + [str(folder)], check=True, capture_output=True)
-    [backup] = folder.glob("original_code_backup_*")
-    assert (backup / "visual.py").read_text() == "# the original visual.py\n"
-    assert (folder / "visual.py").read_text() == (REPO / "visual.py").read_text()
-    assert_golden_logits(folder, "glm4v-tiny-text", "input_ids", "logits")
+        logits = model(input_ids=expected["seq_0_input_ids"][None]).logits[0]
+    torch.testing.assert_close(logits, expected["seq_0_logits"], atol=1e-4, rtol=1e-4)
 
     result = install_cli("--revert", folder)
     assert result.returncode == 0, result.stderr
@@ -163,7 +152,7 @@ def test_a_companion_file_added_to_the_code_files_later_is_installed_and_reverte
     """An update whose CODE_FILES gained a file (the checkpoint ships its own: its original is kept) and lost one
     (added by the earlier install: removed again)."""
     folder = new_checkpoint()
-    (folder / "visual.py").write_text("# the checkpoint's own visual.py\n")
+    (folder / "future_companion.py").write_text("# the checkpoint's own future_companion.py\n")
     start = folder_state(folder)
     earlier = tmp_path / "earlier_checkout"
     earlier.mkdir()
@@ -177,14 +166,14 @@ def test_a_companion_file_added_to_the_code_files_later_is_installed_and_reverte
     later = tmp_path / "later_checkout"
     shutil.copytree(earlier, later)
     (later / "dropped_companion.py").unlink()
-    (later / "visual.py").write_text("# the fork's visual companion\n")
-    code, out, err = run_tool(lambda args: installer.install(folder, source=later, names=CODE_FILES + ("visual.py",)),
-                              [])
+    (later / "future_companion.py").write_text("# the fork's new companion\n")
+    code, out, err = run_tool(
+        lambda args: installer.install(folder, source=later, names=CODE_FILES + ("future_companion.py",)), [])
     assert code == 0, err
-    assert "dropped_companion.py: removed" in out and "visual.py: replaced" in out
+    assert "dropped_companion.py: removed" in out and "future_companion.py: replaced" in out
     assert not (folder / "dropped_companion.py").exists()
-    assert (folder / "visual.py").read_text() == "# the fork's visual companion\n"
-    assert (folder / ORIGINALS / "visual.py").read_text() == "# the checkpoint's own visual.py\n"
+    assert (folder / "future_companion.py").read_text() == "# the fork's new companion\n"
+    assert (folder / ORIGINALS / "future_companion.py").read_text() == "# the checkpoint's own future_companion.py\n"
 
     code, out, err = tool(["--revert", folder])
     assert code == 0, err
