@@ -238,8 +238,8 @@ def glm4_vocabulary_texts(token_bytes):
 def test_glm4_every_vocabulary_entry_is_reachable_and_splits_as_tiktoken(glm4_fast_tokenizer, glm4_tokenizer,
                                                                          token_bytes, fast_converter):
     """tiktoken takes a pre-token that is in the vocabulary whole; merges alone cannot reach 893 entries (" 王",
-    " 参考", " Rodríguez", ...). Each entry that is one pre-token must encode to itself, every other entry as tiktoken
-    encodes it."""
+    " 参考", " Rodríguez", ...). Each entry that is one pre-token must encode to itself, every other entry as
+    tiktoken encodes it."""
     import regex
 
     entries = glm4_vocabulary_texts(token_bytes)

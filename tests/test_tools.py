@@ -294,8 +294,8 @@ def operation_folder(new_checkpoint, tmp_path):
     def prepare(operation):
         folder = new_checkpoint()
         if operation == "update":
-            run_tool(lambda args: installer.install(folder, source=earlier, names=CODE_FILES + ("dropped_companion.py",)),
-                     [], FaultyDisk())
+            names = CODE_FILES + ("dropped_companion.py",)
+            run_tool(lambda args: installer.install(folder, source=earlier, names=names), [], FaultyDisk())
         elif operation == "revert":
             run_tool(installer.main, [folder], FaultyDisk())
         return folder, ([folder, "--revert"] if operation == "revert" else [folder])

@@ -178,7 +178,8 @@ def status(folder: Path, source: Path = REPO, names=CODE_FILES) -> int:
         check_checkpoint(folder)
     if not any(record["tool"] == TOOL for record in files.values()):
         own = [name for name in names if (folder / name).exists()]
-        print(f"{folder}: the fork's code is not installed; the checkpoint's own code files: {', '.join(own) or 'none'}.")
+        print(f"{folder}: the fork's code is not installed; the checkpoint's own code files: "
+              f"{', '.join(own) or 'none'}.")
         for name in legacy_backups(folder):
             print(f"  {name}/ is a backup made by an earlier version of this tool (no manifest)")
     else:
