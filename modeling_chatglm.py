@@ -59,6 +59,13 @@ try:  # the attention-function registry appeared in 4.48
 except ImportError:
     ALL_ATTENTION_FUNCTIONS = None
 
+try:  # transformers' own sdpa kernel (4.48+): until 5.x added `pack_gqa` it expanded the key/value groups to every
+    # head at every step (4.49, 4.53) or at every masked step (4.57, 5.0): a copy of each layer's cache per step.
+    from transformers.integrations import sdpa_attention as _transformers_sdpa
+except ImportError:
+    _transformers_sdpa = None
+_TRANSFORMERS_SDPA_EXPANDS_GROUPS = _transformers_sdpa is not None and not hasattr(_transformers_sdpa, "pack_gqa")
+
 try:  # the shared loss functions appeared in 4.46; their causal-LM loss takes `shift_labels` since 4.50
     from transformers.loss.loss_utils import ForCausalLMLoss as causal_lm_loss
 except ImportError:
@@ -175,24 +182,31 @@ def max_cache_length(cache: Cache) -> Optional[int]:
 
 def attention_function(implementation: str):
     """The attention kernel for `config._attn_implementation`: our eager one (it honours the original's fp32
-    softmax and query-key layer scaling), else transformers' registry, with an sdpa fallback before 4.48."""
+    softmax and query-key layer scaling), else transformers' registry; for sdpa our grouped kernel where
+    transformers has none (before 4.48) or its own expands the key/value groups (before 5.x's `pack_gqa`)."""
     if implementation in (None, "eager"):
         return eager_attention_forward
     if ALL_ATTENTION_FUNCTIONS is None:
         if implementation == "sdpa":
-            return sdpa_attention_forward_before_4_48
+            return sdpa_grouped_attention_forward
         raise ValueError(
             f"attn_implementation={implementation!r} needs transformers >= 4.48 with this model; "
             f"{transformers.__version__} is installed. Use 'sdpa' or 'eager', or upgrade transformers."
         )
     if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
-        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-    return ALL_ATTENTION_FUNCTIONS[implementation]
+        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    else:
+        kernel = ALL_ATTENTION_FUNCTIONS[implementation]
+    if _TRANSFORMERS_SDPA_EXPANDS_GROUPS and kernel is _transformers_sdpa.sdpa_attention_forward:
+        return sdpa_grouped_attention_forward  # (a kernel registered over "sdpa" by the user is kept)
+    return kernel
 
 
-def sdpa_attention_forward_before_4_48(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA without expanding the key/value groups to every head, so that no step copies the cache: one new token's
-    query heads attend as rows of their group (any mask broadcasts over them), else torch's `enable_gqa`."""
+def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA with the key/value groups kept as groups, so that no decode step copies the cache: one new token's query
+    heads attend as rows of their group (a mask broadcasts over them), an unmasked prompt uses torch's `enable_gqa`.
+    A masked prompt expands the groups once (CUDA's fused kernels take a mask or groups, not both), as transformers
+    does."""
     batch, heads, query_length, dim = query.shape
     groups = module.num_key_value_groups
     if groups > 1 and query_length == 1:
@@ -201,9 +215,11 @@ def sdpa_attention_forward_before_4_48(module, query, key, value, attention_mask
             dropout_p=dropout, scale=scaling,
         ).reshape(batch, heads, 1, dim)
     else:
+        if attention_mask is not None:
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            is_causal=attention_mask is None and query_length > 1, enable_gqa=groups > 1,
+            is_causal=attention_mask is None and query_length > 1, enable_gqa=attention_mask is None and groups > 1,
         )
     return out.transpose(1, 2).contiguous(), None
 

@@ -136,7 +136,8 @@ def kv_sizes(model):
     """(layers, key/value heads, head dim) from either model's config."""
     config = model.config
     if hasattr(config, "multi_query_group_num"):
-        return config.num_layers, config.multi_query_group_num, config.kv_channels
+        heads = config.multi_query_group_num if config.multi_query_attention else config.num_attention_heads
+        return config.num_layers, heads, config.kv_channels
     return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
 
 

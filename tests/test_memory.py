@@ -64,6 +64,34 @@ def test_split_model_cache_holds_only_keys_and_values(tiny_model, family):
     assert_theory(after_decode, theory(model, PROMPT + STEPS))
 
 
+def largest_allocation(step) -> int:
+    """Bytes of the largest tensor allocated while `step()` runs (the profiler's allocation events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return max(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_no_decode_step_expands_the_cached_key_value_groups(tiny_model, kind):
+    """With sdpa, a decode step allocates nothing larger than one layer's cached keys: the key/value groups go to
+    attention as groups. transformers' own sdpa kernel copied each layer's cache to every query head at every step
+    (4.49, 4.53) or at every masked step (a padded batch, any static cache: 4.57, 5.0); before 4.48 ours did."""
+    model = tiny_model("glm4")
+    config, batch, context = model.config, 2, 200
+    ids, mask = device_check.padded_batch([context, context - 20], 256, seed=1)
+    cache = kv_cache.new_static_cache(config, batch, context + 1, "cpu", model.dtype) if kind == "static" else None
+    with torch.no_grad():
+        cache = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).past_key_values
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
+        largest = largest_allocation(lambda: model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache,
+                                                   use_cache=True))
+    layer_keys = kv_cache.theory_bytes(1, batch, config.multi_query_group_num, context + 1, config.kv_channels,
+                                       model.dtype) // 2
+    assert largest <= layer_keys
+
+
 def mapped_checkpoint_regions(folder: Path) -> list:
     """(start, end) of every memory mapping of a file inside `folder` (Linux /proc/self/maps)."""
     regions = []
