@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -459,16 +460,29 @@ def decode_weight_bytes(model) -> int:
     return total + embedding.shape[1] * embedding.element_size()
 
 
-def matrix_vector_seconds(model, batch: int, clock) -> float:
+def matrix_vector_seconds(model, batch: int, clock, prepacked: bool = False) -> Optional[float]:
     """The decode step's matrix products alone (every nn.Linear once, on a [batch, 1, in] input): what torch's
-    kernels take to stream these weights, without attention, norms or Python around them."""
+    kernels take to stream these weights, without attention, norms or Python around them. prepacked (CPU): through
+    oneDNN with each weight reordered once into its blocked layout, as torch.compile's CPU freezing does: the best
+    kernel torch ships for this dtype here, or None where this torch has no such op for it."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(batch, 1, m.in_features, device=model.device, dtype=model.dtype) for m in linears]
+    if prepacked:
+        try:
+            mkldnn = torch.ops.mkldnn
+            weights = [mkldnn._reorder_linear_weight(m.weight.detach(), batch) for m in linears]
+            product = lambda x, w, m: mkldnn._linear_pointwise(x, w, m.bias, "none", [], "")  # noqa: E731
+            product(inputs[0], weights[0], linears[0])
+        except (AttributeError, RuntimeError):
+            return None
+    else:
+        weights = [m.weight for m in linears]
+        product = lambda x, w, m: torch.nn.functional.linear(x, w, m.bias)  # noqa: E731
 
     def run():
         with torch.no_grad():
-            for module, x in zip(linears, inputs):
-                torch.nn.functional.linear(x, module.weight, module.bias)
+            for module, weight, x in zip(linears, weights, inputs):
+                product(x, weight, module)
 
     run()
     return min(clock(run) for _ in range(3))
@@ -484,17 +498,67 @@ def hardware_limit(results, folders, args, clock):
         times = decode_step_times(models, args, clock, "dynamic", 1, context)
         rates = {name: [moved[name] / t / 1e9 for t in values] for name, values in times.items()}
         kernels = moved["fork"] / matrix_vector_seconds(models["fork"], 1, clock) / 1e9
+        prepacked = matrix_vector_seconds(models["fork"], 1, clock, prepacked=True) if args.device == "cpu" else None
+        prepacked = prepacked and moved["fork"] / prepacked / 1e9
         fork_rate = statistics.median(rates["fork"])
         note = (f"fork: {fork_rate * 1e9 / bandwidth:.0%} of copy ({bandwidth / 1e9:.1f} GB/s), "
                 f"{fork_rate * 1e9 / read:.0%} of read ({read / 1e9:.1f} GB/s); its matrix-vector products alone "
                 f"{kernels:.1f} GB/s ({kernels * 1e9 / bandwidth:.0%} of copy), the whole step {fork_rate / kernels:.0%} "
-                "of that")
+                "of that" + (prepacked and f"; oneDNN with prepacked weights {prepacked:.1f} GB/s "
+                                           f"({prepacked * 1e9 / bandwidth:.0%} of copy)" or ""))
         results.add("memory bandwidth", f"decode bs=1 {dtype_name}, context {context}: (weights + KV) / step",
                     "GB/s", rates, higher_is_better=True, note=note, copy=bandwidth, read=read,
                     share_of_copy=fork_rate * 1e9 / bandwidth, kernels_share_of_copy=kernels * 1e9 / bandwidth,
+                    prepacked_share_of_copy=prepacked and prepacked * 1e9 / bandwidth,
                     bytes_per_step=moved["fork"])
+        if "compiled" in args.sections:
+            compiled_decode(results, models, moved, args, clock, dtype_name, bandwidth)
         del models
         gc.collect()
+
+
+def compiled_decode(results, models, moved, args, clock, dtype_name, bandwidth):
+    """bs=1 decode through torch.compile: one graph per model on a static cache (its positions run on through every
+    round, so that no round recompiles), and on CPU inductor's freezing, which prepacks the weights for oneDNN, the
+    fast bf16 path the eager matrix-vector product lacks. A machine without a C++ compiler prints why it skipped."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    context, total = args.contexts[0], 2 + args.rounds * args.steps
+    generator = torch.Generator().manual_seed(4)
+    tokens = random_ids(1, total, 5, args.device)
+    state = {}
+    for name, model in models.items():
+        cache = filled_cache(model, "static", 1, context, context + total, generator)
+        state[name] = dict(cache=cache, step=torch.compile(model.forward, dynamic=False), done=0)
+
+    def advance(name):
+        run = state[name]
+        position = torch.tensor([context + run["done"]], device=args.device)
+        kwargs = dict(position_ids=position[None], past_key_values=run["cache"], use_cache=True)
+        if "cache_position" in inspect.signature(models[name].forward).parameters:
+            kwargs["cache_position"] = position
+        run["step"](input_ids=tokens[:, run["done"]:run["done"] + 1], **kwargs)
+        run["done"] += 1
+
+    try:
+        with torch.no_grad(), torch._inductor.config.patch(freezing=args.device == "cpu"):
+            for name in models:  # compiles
+                advance(name), advance(name)
+            times = interleaved(args.rounds, models, lambda name, model: clock(
+                lambda: [advance(name) for _ in range(args.steps)]) / args.steps)
+    except Exception as error:  # noqa: BLE001 (inductor's errors have no common base; the reason is printed)
+        print(f"  compiled decode {dtype_name}: skipped ({type(error).__name__}: {str(error)[:200]})", flush=True)
+        return
+    finally:
+        torch._dynamo.reset()
+    kv_average = {name: kv_theory(model, 1, context + total // 2) - kv_theory(model, 1, context)
+                  for name, model in models.items()}
+    rates = {name: [(moved[name] + kv_average[name]) / t / 1e9 for t in values] for name, values in times.items()}
+    fork_rate = statistics.median(rates["fork"])
+    results.add("memory bandwidth", f"compiled decode bs=1 {dtype_name}, static cache: (weights + KV) / step", "GB/s",
+                rates, higher_is_better=True, note=f"fork: {fork_rate * 1e9 / bandwidth:.0%} of copy",
+                share_of_copy=fork_rate * 1e9 / bandwidth)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -503,7 +567,12 @@ def hardware_limit(results, folders, args, clock):
 def machine_line(args) -> str:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError, AttributeError):
-        cpu = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()).group(1).strip()
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = re.search(r"model name\s*:\s*(.+)", info).group(1).strip()
+        flags = set(re.search(r"flags\s*:\s*(.+)", info).group(1).split())
+        # What bounds a bf16 decode on CPU: bf16 dot products (AVX-512 BF16) and AMX tiles, often hidden in a VM.
+        cpu += " (" + ", ".join(f"{'' if flag in flags else 'no '}{name}" for flag, name in
+                                (("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX"))) + ")"
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"{cpu}, {os.cpu_count()} CPUs"
     return (f"{device}; {torch.get_num_threads()} threads, {args.clock} clock; torch {torch.__version__}, "
             f"transformers {transformers.__version__}, Python {platform.python_version()}")
@@ -545,7 +614,8 @@ def parse_args(argv=None):
     parser.add_argument("--gen-prompt", type=int, default=32)
     parser.add_argument("--gen-new", type=int, default=64)
     parser.add_argument("--limit-dtypes", help="dtypes of the bandwidth lines (default: float32,bfloat16 on CPU)")
-    parser.add_argument("--sections", default="kv,prefill,decode,generate,memory,bandwidth")
+    parser.add_argument("--sections", default="kv,prefill,decode,generate,memory,bandwidth,compiled",
+                        help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth)")
     parser.add_argument("--workdir", type=Path, help="where the checkpoints are written (default: a temporary folder)")
     parser.add_argument("--json", type=Path, help="also write every number to this file")
     parser.add_argument("--quick", action="store_true", help="a tiny model, short runs: checks that everything runs")
