@@ -646,6 +646,7 @@ class RotaryEmbedding(nn.Module):
         # Checkpoints store `inv_freq` (always with base 10000); the original never reads its values and neither do
         # we: it keeps the state-dict key and marks the device the rotary table is computed on.
         self.register_buffer("inv_freq", self.checkpoint_inv_freq(), persistent=True)
+        self._register_load_state_dict_pre_hook(own_loaded_inv_freq, with_module=True)
 
     def checkpoint_inv_freq(self) -> torch.Tensor:
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32)
@@ -654,7 +655,7 @@ class RotaryEmbedding(nn.Module):
     def own_loaded_buffer(self):
         """Loading casts the weights to the requested dtype but (transformers >= 4.53) keeps this fp32 buffer as the
         checkpoint gave it: a view into the file's memory map, which keeps the whole shard mapped and resident.
-        Called after loading: 32 floats of its own instead."""
+        Called after loading (5.x assigns it without load_state_dict): 32 floats of its own instead."""
         if self.inv_freq.device.type == "cpu":
             self.inv_freq = self.inv_freq.clone()
 
@@ -666,6 +667,15 @@ class RotaryEmbedding(nn.Module):
         cos = angles.cos().repeat_interleave(2, dim=-1)[:, None]
         sin = angles.sin().repeat_interleave(2, dim=-1)[:, None]
         return cos.to(dtype), sin.to(dtype)
+
+
+def own_loaded_inv_freq(module, state_dict, prefix, *args):
+    """load_state_dict pre-hook of RotaryEmbedding (4.x loads each tensor through it): the checkpoint's `inv_freq`
+    is copied as it arrives, so that the shard holding it is not kept mapped, and resident, while the other shards
+    load (the load of an fp32 checkpoint as bf16 otherwise peaked that shard's size above native Glm's)."""
+    key = prefix + "inv_freq"
+    if isinstance(state_dict.get(key), torch.Tensor) and state_dict[key].device.type == "cpu":
+        state_dict[key] = state_dict[key].clone()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

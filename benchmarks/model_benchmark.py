@@ -53,6 +53,7 @@ import transformers  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 import kv_cache  # noqa: E402
+import native_glm  # noqa: E402
 from install_into_checkpoint import CODE_FILES  # noqa: E402
 
 TRANSFORMERS = Version(transformers.__version__)
@@ -97,7 +98,10 @@ def build_random_checkpoints(workdir: Path, preset: str, checkpoint_dtype) -> tu
     with torch.no_grad():  # every weight explicit (5.x leaves initialisation to loading)
         for name, param in model.named_parameters():
             param.copy_(torch.ones_like(param) if "layernorm" in name else torch.randn_like(param) * 0.02)
-    model.save_pretrained(fork)
+    model.save_pretrained(fork)  # config, generation config and code; the weights as the native twin's are:
+    for written in fork.glob("model*.safetensors*"):  # one shard per layer, so that loading maps the same bytes
+        written.unlink()
+    native_glm.save_by_layer(model.state_dict(), fork)
     with_code(fork)
     return fork, save_native(model, workdir)
 
@@ -117,8 +121,6 @@ def link_checkpoint(source: Path, workdir: Path) -> tuple:
 def save_native(model, workdir: Path):
     if not HAS_NATIVE:
         return None
-    import native_glm
-
     return native_glm.save_native_checkpoint(model, workdir / "native")
 
 

@@ -8,6 +8,7 @@ interleaved pairs (Glm's partial_rotary_factor 0.5).
 """
 import inspect
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -77,23 +78,29 @@ def native_glm(model, rope_theta=None, attn_implementation="eager"):
 
 def save_native_checkpoint(model, folder) -> Path:
     """Write `model`'s weights as a GlmForCausalLM checkpoint in the model's dtype (config.json, one safetensors
-    shard per layer), so that a native model loads from disk as ours does. The converted tensors are views of the
-    model's; one layer's copies at a time are made for writing, so a full-size model converts in place."""
-    from safetensors.torch import save_file
-
+    shard per layer, as save_by_layer writes them), so that a native model loads from disk as ours does."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = native_glm_config(model.config)
-    config.save_pretrained(folder)
+    native_glm_config(model.config).save_pretrained(folder)
+    save_by_layer(convert_state_dict(model.state_dict(), model.config), folder)
+    return folder
+
+
+def save_by_layer(state_dict: dict, folder) -> None:
+    """One safetensors shard per decoder layer (keys `...layers.N....`) and one for the rest, with the index
+    file: a checkpoint's layout decides what loading keeps mapped at once, so models compared on memory are saved
+    alike. The tensors may be views (the converted ones are); one layer's copies at a time are made for writing,
+    so a full-size model is written without a second copy of itself."""
+    from safetensors.torch import save_file
+
     groups = {}
-    for key, tensor in convert_state_dict(model.state_dict(), model.config).items():
-        layer = key.split(".")[2] if key.startswith("model.layers.") else "outer"
-        groups.setdefault(layer, {})[key] = tensor
+    for key, tensor in state_dict.items():
+        layer = re.search(r"\.layers\.(\d+)\.", key)
+        groups.setdefault(layer.group(1) if layer else "outer", {})[key] = tensor
     weight_map = {}
     for number, group in enumerate(groups.values()):
         name = f"model-{number + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({k: v.detach().cpu().contiguous().clone() for k, v in group.items()}, str(folder / name),
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in group.items()}, str(Path(folder) / name),
                   metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(group, name))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return folder
+    (Path(folder) / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
