@@ -114,3 +114,22 @@ def test_loading_in_bfloat16_keeps_no_checkpoint_mapping(golden):
     in_file = [name for name, t in tensors.items() if any(start <= t.data_ptr() < end for start, end in regions)]
     assert in_file == []
     assert "transformer.rotary_pos_emb.inv_freq" in model.state_dict()
+
+
+def test_checkpoint_inv_freq_is_copied_as_it_loads(tiny_model, tmp_path):
+    """transformers 4.x loads each checkpoint tensor through module.load_state_dict(assign=True) while it reads the
+    shards: the rotary `inv_freq` arriving as a view of its shard's memory map must be copied there, or that shard
+    stays mapped and resident while the others load (an fp32 checkpoint loaded as bf16 peaked a shard above native
+    Glm)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    rotary = tiny_model("glm4").transformer.rotary_pos_emb
+    save_file({"inv_freq": rotary.checkpoint_inv_freq()}, str(tmp_path / "shard.safetensors"))
+    with safe_open(str(tmp_path / "shard.safetensors"), "pt") as shard:
+        arriving = shard.get_slice("inv_freq")[...]
+    rotary.load_state_dict({"inv_freq": arriving}, strict=False, assign=True)
+    regions = mapped_checkpoint_regions(tmp_path)
+    assert any(start <= arriving.data_ptr() < end for start, end in regions)  # the source is a view of the file
+    assert not any(start <= rotary.inv_freq.data_ptr() < end for start, end in regions)
+    assert torch.equal(rotary.inv_freq, arriving)
