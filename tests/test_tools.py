@@ -473,15 +473,22 @@ def test_gpu_check_script_runs_on_a_cpu_only_machine(tmp_path):
 @pytest.mark.matrix_ends
 def test_model_benchmark_runs_from_a_clone(tmp_path):
     """The benchmark's whole path on a tiny model (no timing is asserted): its KV bytes equal the theory, and where
-    transformers has GlmForCausalLM, the native model generates the fork's tokens and has its KV bytes too."""
+    transformers has GlmForCausalLM, the native model generates the fork's tokens and has its KV bytes too; the
+    bandwidth lines, eager and compiled (inductor needs a C++ compiler), come out."""
     numbers = tmp_path / "numbers.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "model_benchmark.py"), "--quick", "--sections", "kv,generate",
-         "--json", str(numbers)], capture_output=True, text=True, timeout=600)
+        [sys.executable, str(REPO / "benchmarks" / "model_benchmark.py"), "--quick", "--sections",
+         "kv,generate,bandwidth,compiled", "--limit-dtypes", "float32", "--json", str(numbers)],
+        capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     rows = json.loads(numbers.read_text())["rows"]
     kv = [row for row in rows if row["section"] == "KV memory"]
     assert len(kv) == 4 and all(abs(share - 1) <= 0.01 for row in kv for share in row["held_over_theory"].values())
+    bandwidth = [row["metric"] for row in rows if row["section"] == "memory bandwidth" and row["share_of_copy"] > 0]
+    expected = ["decode bs=1 float32, context 16: (weights + KV) / step"]
+    if shutil.which(os.environ.get("CXX", "g++")):
+        expected.append("compiled decode bs=1 float32, static cache: (weights + KV) / step")
+    assert bandwidth == expected, result.stdout[-2000:]
     if TRANSFORMERS >= Version("4.46"):
         generated = [row for row in rows if row["section"] == "generate"]
         assert [row["note"] for row in generated] == ["same tokens", "same tokens"]
