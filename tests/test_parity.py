@@ -32,14 +32,21 @@ def test_single_sequences_match_golden(golden, attn):
             torch.testing.assert_close(out.loss, e[f"seq_{i}_loss"], atol=LOSS_ATOL, rtol=0)
 
 
+def assert_padded_batch_matches_golden(model, e):
+    """The golden left-padded batch with its position_ids and labels: logits of the real tokens and the loss."""
+    real = e["attention_mask"].bool()
+    with torch.no_grad():
+        out = model(input_ids=e["input_ids"], attention_mask=e["attention_mask"], position_ids=e["position_ids"],
+                    labels=e["labels"], use_cache=False)
+    assert_logits_close(out.logits[real], e["batch_logits"][real])
+    torch.testing.assert_close(out.loss, e["batch_loss"], atol=LOSS_ATOL, rtol=0)
+
+
 def test_padded_batch_matches_golden(golden, golden_model):
     e = golden.expected
     real = e["attention_mask"].bool()
+    assert_padded_batch_matches_golden(golden_model, e)
     with torch.no_grad():
-        out = golden_model(input_ids=e["input_ids"], attention_mask=e["attention_mask"],
-                           position_ids=e["position_ids"], labels=e["labels"], use_cache=False)
-        assert_logits_close(out.logits[real], e["batch_logits"][real])
-        torch.testing.assert_close(out.loss, e["batch_loss"], atol=LOSS_ATOL, rtol=0)
         # Without position_ids they come from the mask: the same numbers, padding or not.
         out = golden_model(input_ids=e["input_ids"], attention_mask=e["attention_mask"], use_cache=False)
         assert_logits_close(out.logits[real], e["batch_logits"][real])
