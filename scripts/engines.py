@@ -244,9 +244,12 @@ def orchestrate(args) -> int:
         ours = our_outputs(ours_folder, family)
         (base / "ours.json").write_text(json.dumps(ours))
         print(f"   ours: greedy {ours['greedy']}", flush=True)
-        export_error = run_step([sys.executable, REPO / "tools" / "export_to_native_glm.py", ours_folder, native],
-                                base / "export.log", env)
-        export_error = export_error and f"export failed: {export_error}"
+        exporter = REPO / "tools" / "export_to_native_glm.py"
+        if exporter.exists():
+            export_error = run_step([sys.executable, exporter, ours_folder, native], base / "export.log", env)
+            export_error = export_error and f"export failed: {export_error}"
+        else:
+            export_error = f"no exporter: {exporter.relative_to(REPO)} is missing"
         # (label, engine, model, extra arguments, why it cannot run, counted in the exit status)
         checks = [
             ("vLLM, trust_remote_code", "vllm", ours_folder, ["--trust-remote-code"], "", True),
