@@ -222,8 +222,11 @@ def convert_to_gguf(args, folder: Path, gguf: Path, log: Path, env: dict) -> str
     """'' when llama.cpp's convert_hf_to_gguf.py wrote `gguf` (f32: nothing lost), else why not."""
     error = run_step([sys.executable, args.convert, folder, "--outfile", gguf, "--outtype", "f32"], log, env)
     if "pre-tokenizer was not recognized" in error:
-        error += (" (convert_hf_to_gguf reads ChatGLM3's SentencePiece vocabulary only when config.json's"
-                  " _name_or_path names THUDM/chatglm3-6b; any other tokenizer.json must be a BPE it knows by hash)")
+        # Its ChatGLM class takes the SentencePiece route when hparams' _name_or_path contains the name; for a
+        # config that loads without remote code that is the folder's path, not config.json's field.
+        error += (" (convert_hf_to_gguf reads ChatGLM3's SentencePiece vocabulary only when _name_or_path contains"
+                  " THUDM/chatglm3-6b: config.json's for a remote-code config, the folder's path for a native one;"
+                  " any other tokenizer.json must be a BPE whose pre-tokenizer it knows by hash)")
     return error and f"GGUF conversion failed: {error}"
 
 
