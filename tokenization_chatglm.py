@@ -10,9 +10,10 @@ Token ids are the originals' wherever the originals were right. What differs, on
 * Special-token text is parsed into control tokens, as the originals and every transformers tokenizer do:
   `tok("[gMASK]<sop><|user|>\\nhi<|assistant|>", add_special_tokens=False)` gives the control ids, so the output of
   `apply_chat_template(..., tokenize=False)` encodes to the ids of `apply_chat_template(..., tokenize=True)` (the
-  path of vLLM, SGLang, TRL and hand-built fine-tuning prompts). GLM-4 parses its 14 special tokens; ChatGLM3 its 9
-  control tokens, "sop"/"eop" only as whole words (the original split "isopropyl" around "sop"). For untrusted raw
-  text pass `split_special_tokens=True` (per call, or to `from_pretrained` for the tokenizer): such text is then
+  path of vLLM, SGLang, TRL and hand-built fine-tuning prompts). GLM-4 parses its 14 special tokens; ChatGLM3 the
+  original's: "[gMASK]", "sop" (only as a whole word: the original split "isopropyl" around "sop") and the four role
+  tokens (the original parsed only "<|user|>" and "<|assistant|>"); "[MASK]", "[sMASK]" and "eop" stay text.
+  For untrusted raw text pass `split_special_tokens=True` (per call, or to `from_pretrained` for the tokenizer): such text is then
   encoded as the characters it holds. Tokens added with `add_tokens` (not special) are always matched.
 * `apply_chat_template(..., tokenize=True)` keeps every string of the conversation as text: contents, role names,
   dict keys, tools, metadata, documents and extra template variables never produce a control token, not even
@@ -312,6 +313,8 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
     CONTROL_TOKENS: Tuple[str, ...] = ()  # in id order, starting right after the model's own vocabulary
     PREFIX_TOKENS: Tuple[str, ...] = ()  # added in front of every sequence by add_special_tokens=True
     WHOLE_WORD_CONTROL_TOKENS: Tuple[str, ...] = ()  # parsed only when not inside a word
+    # Control tokens whose text is parsed from text (None: all of them). The others are only ever text.
+    PARSED_CONTROL_TOKENS: Optional[Tuple[str, ...]] = None
     CHAT_ROLES = ("system", "user", "assistant", "observation")  # a template writes each as the token <|role|>
     EOS_TOKEN = ""
     EXPECTED_FILE = ""
@@ -403,7 +406,8 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
             token.content for index, token in self._added_tokens_decoder.items()
             if token.special and index not in reserved
         ]
-        return list(self.CONTROL_TOKENS) + user_specials
+        parsed = self.CONTROL_TOKENS if self.PARSED_CONTROL_TOKENS is None else self.PARSED_CONTROL_TOKENS
+        return list(parsed) + user_specials
 
     def _user_vocabulary_texts(self) -> List[str]:
         """Non-special tokens added with `add_tokens`: always matched, as in transformers."""
@@ -1097,7 +1101,11 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
         "[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
     )
     PREFIX_TOKENS = ("[gMASK]", "sop")
-    WHOLE_WORD_CONTROL_TOKENS = ("sop", "eop")
+    # The original parsed "[gMASK]", "sop", "<|user|>" and "<|assistant|>" in text and kept "[MASK]", "[sMASK]" and
+    # "eop" as text; of its bugs, "sop" inside words is fixed (whole words only) and the two other role tokens are
+    # parsed too (the template writes all four roles).
+    PARSED_CONTROL_TOKENS = ("[gMASK]", "sop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+    WHOLE_WORD_CONTROL_TOKENS = ("sop",)
     # Text after a control token was encoded on its own (with SentencePiece's word-start marker), so it is decoded
     # on its own even when the control token is skipped: the result is the text without the control token.
     SKIPPED_TOKEN_ENDS_RUN = True
