@@ -193,6 +193,21 @@ def _is_token_id(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _checked_token_ids(token_ids) -> List[int]:
+    """decode()'s ids as ints: an id, or a sequence of ids (transformers has turned tensors and arrays into lists).
+    Floats and strings are refused: int() would truncate 3.7 silently or fail with "invalid literal"."""
+    if isinstance(token_ids, numbers.Integral):
+        return [int(token_ids)]
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+        raise TypeError(f"decode: token_ids must be an int or a list of int, got {type(token_ids).__name__}")
+    token_ids = list(token_ids)
+    for position, index in enumerate(token_ids):
+        if not isinstance(index, numbers.Integral):
+            raise TypeError(f"decode: token_ids must hold ints; token_ids[{position}] is {index!r:.40} "
+                            f"({type(index).__name__})")
+    return [int(index) for index in token_ids]
+
+
 def _check_text_input(value, name: str) -> None:
     """Accept what transformers accepts as text: a str, a list of str (batch or words), a list of token ids, or a
     list of those lists. Anything else (None aside) is a TypeError rather than a confusing failure later."""
@@ -273,6 +288,17 @@ class _ChatTextGuard:
 
     def restore(self, text: str) -> str:
         return self._placeholder.sub(lambda m: self._table[int(m.group(1))], text)
+
+
+def _check_messages(messages, name: str, allow_empty: bool) -> None:
+    """Each message a dict with a str 'role': a template writes a missing role as "<||>" (no error of its own)."""
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"{name} must be a list of message dicts, got {type(messages).__name__}")
+    if not messages and not allow_empty:
+        raise ValueError(f"{name} is empty: a chat template needs at least one message")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"{name}[{index}] must be a dict with a str 'role' (and 'content'), got {message!r:.100}")
 
 
 def _clean_up_tokenization(text: str) -> str:
@@ -549,14 +575,13 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
     def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None,
                 spaces_between_special_tokens=None, **kwargs) -> str:
         # `spaces_between_special_tokens` is accepted for compatibility and ignored: decode never adds text.
-        if _is_token_id(token_ids):
-            token_ids = [token_ids]
+        token_ids = _checked_token_ids(token_ids)
         skipped = (set(self.all_special_ids) | set(self._control_by_id)) if skip_special_tokens else set()
         added = self._added_tokens_decoder
         reserved = self._reserved_ids()
         parts: List[str] = []
         run: List[int] = []
-        for index in map(int, token_ids):
+        for index in token_ids:
             token_text = self._control_by_id.get(index)
             if token_text is None and index in added and index not in reserved:
                 token_text = added[index].content
@@ -596,6 +621,10 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
             kwargs.pop(option, None)
         conversations, batched = self._as_conversations(conversation)
         builtin = self._uses_builtin_chat_format(chat_template)
+        for index, conv in enumerate(conversations):
+            # ChatGLM3's built-in format renders an empty chat as its prefix; a template needs a message
+            # (transformers < 4.47 failed with a bare IndexError).
+            _check_messages(conv, f"conversation[{index}]" if batched else "conversation", allow_empty=builtin)
         if not tokenize:
             rendered = [
                 self._builtin_chat_text(conv, add_generation_prompt) if builtin
@@ -1076,6 +1105,13 @@ class _SentencePieceModel:
             raise ValueError(f"{path}: not a SentencePiece model ({err}); expected {expected}") from None
         if self.sp_model.vocab_size() != CHATGLM3_N_PIECES:
             raise ValueError(f"{path}: has {self.sp_model.vocab_size()} pieces; expected {expected}")
+        for index in range(self.sp_model.vocab_size()):
+            # A damaged byte inside a piece's text reads as a model whose pieces sentencepiece cannot return.
+            try:
+                self.sp_model.id_to_piece(index)
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}: piece {index} is not valid UTF-8 (the file is damaged); expected "
+                                 f"{expected}") from None
         self.n_words = self.sp_model.vocab_size()
         self.bos_id, self.eos_id, self.pad_id = self.sp_model.bos_id(), self.sp_model.eos_id(), self.sp_model.unk_id()
         self.special_tokens = {token: self.n_words + index for index, token in enumerate(control_tokens)}

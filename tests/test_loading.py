@@ -85,6 +85,16 @@ BAD_CONFIGS = [
     ({"layernorm_epsilon": 0}, "layernorm_epsilon"),
     ({"rope_ratio": 0}, "rope_ratio"),
     ({"num_layers": 3, "num_hidden_layers": 4}, "num_hidden_layers"),
+    # It said "num_layers=3 but num_hidden_layers=3".
+    ({"num_layers": 3, "num_hidden_layers": "3"}, "num_hidden_layers must be a positive integer, got '3'"),
+    ({"num_layers": 3, "num_hidden_layers": 3.0}, "num_hidden_layers must be a positive integer"),
+    ({"rope_ratio": float("inf")}, "rope_ratio must be a finite positive number, got inf"),
+    ({"layernorm_epsilon": float("inf")}, "layernorm_epsilon must be a finite positive number"),
+    ({"rope_ratio": float("nan")}, "rope_ratio must be a finite"),
+    ({"hidden_dropout": float("nan")}, "hidden_dropout"),
+    # vocab_size (the alias of padded_vocab_size) was dropped silently when it disagreed.
+    ({"padded_vocab_size": 64, "vocab_size": 100}, "padded_vocab_size=64 but vocab_size=100"),
+    ({"padded_vocab_size": 64, "vocab_size": "64"}, "vocab_size must be a positive integer"),
 ]
 
 
@@ -260,6 +270,22 @@ def test_config_field_of_the_wrong_type_names_the_field(chatglm, tmp_path, field
     (tmp_path / "config.json").write_text(json.dumps(fields))
     with pytest.raises(ValueError, match=rf"ChatGLMConfig\.{field} must be .*got {re.escape(repr(value))}"):
         chatglm.ChatGLMConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["rope_ratio", "layernorm_epsilon"])
+def test_config_json_infinity_is_refused(chatglm, tmp_path, field):
+    """Python's json reads `Infinity` as a float; a model built from it gives NaN or no rotation at all."""
+    fields = json.loads(shared_path("configs", "glm-4-9b-chat", "config.json").read_text())
+    fields[field] = float("inf")
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    assert "Infinity" in (tmp_path / "config.json").read_text()
+    with pytest.raises(ValueError, match=rf"ChatGLMConfig\.{field} must be a finite positive number, got inf"):
+        chatglm.ChatGLMConfig.from_pretrained(tmp_path)
+
+
+def test_config_aliases_that_agree_are_accepted(chatglm):
+    config = chatglm.ChatGLMConfig(num_layers=2, num_hidden_layers=2, padded_vocab_size=64, vocab_size=64)
+    assert (config.num_hidden_layers, config.vocab_size) == (2, 64)
 
 
 def other_family_folder(tmp_path, config) -> "Path":

@@ -1062,6 +1062,19 @@ def test_corrupt_tokenizer_model(tokenizer_folder_factory, family, damage, expec
     assert str(model) in str(error.value) and expected in str(error.value)
 
 
+def test_chatglm3_damaged_piece_names_the_file(tokenizer_folder_factory):
+    """One byte flipped inside a piece's text leaves a model sentencepiece loads but cannot read back (it raised a
+    bare UnicodeDecodeError)."""
+    folder = tokenizer_folder_factory("chatglm3", "chatglm3-flip")
+    model = folder / "tokenizer.model"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the middle of the file: inside the text of a piece with a multi-byte character
+    model.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as error:
+        load_tokenizer(folder)
+    assert str(model) in str(error.value) and "not valid UTF-8" in str(error.value)
+
+
 def flip_bit(data: bytes, line: int, column: int, bit: int) -> bytes:
     """`data` with one bit flipped in the byte at 1-based `line`, 0-based `column` (its line break included)."""
     offset = sum(len(row) + 1 for row in data.split(b"\n")[:line - 1]) + column
@@ -1124,6 +1137,50 @@ def test_non_string_input_raises_type_error(glm4_tokenizer, chatglm3_tokenizer, 
                 tok.encode(bad)
         with pytest.raises(TypeError):
             tok("fine", text_pair=bad if bad is not None else 7)
+
+
+@pytest.mark.parametrize("bad, named", [([100, 2.0], "token_ids[1]"), ([3.7], "token_ids[0]"), (["12"], "token_ids[0]"),
+                                        ("12", "token_ids"), (3.5, "token_ids")])
+def test_decode_refuses_ids_that_are_not_ints(glm4_tokenizer, chatglm3_tokenizer, bad, named):
+    """int() truncated a float id silently (3.7 decoded as id 3) and failed on a str with "invalid literal"."""
+    for tok in (glm4_tokenizer, chatglm3_tokenizer):
+        with pytest.raises(TypeError) as error:
+            tok.decode(bad)
+        assert named in str(error.value), str(error.value)
+
+
+def test_decode_takes_ints_of_any_kind(glm4_tokenizer, chatglm3_tokenizer):
+    import numpy
+    import torch
+
+    for tok in (glm4_tokenizer, chatglm3_tokenizer):
+        ids = tok.encode("hello world", add_special_tokens=False)
+        for form in (numpy.array(ids), torch.tensor(ids), [numpy.int64(i) for i in ids]):
+            assert tok.decode(form) == "hello world"
+        assert tok.decode(ids[0]) == tok.decode(torch.tensor(ids[0])) == tok.decode(ids[:1])
+
+
+@pytest.mark.parametrize("conversation, named", [
+    ([{"content": "hi"}], "conversation[0]"),
+    ([{"role": "user", "content": "a"}, {"role": None, "content": "b"}], "conversation[1]"),
+    (["hi"], "conversation[0]"),
+    ([[{"role": "user", "content": "a"}], [{"content": "b"}]], "conversation[1][0]"),
+])
+def test_chat_message_without_a_role_is_named(glm4_tokenizer, chatglm3_tokenizer, conversation, named):
+    """GLM-4's template rendered a message without a role as "<||>" silently."""
+    for tok in (glm4_tokenizer, chatglm3_tokenizer):
+        for tokenize in (False, True):
+            with pytest.raises(ValueError) as error:
+                tok.apply_chat_template(conversation, tokenize=tokenize)
+            assert named in str(error.value) and "'role'" in str(error.value), str(error.value)
+
+
+def test_empty_conversation(glm4_tokenizer, chatglm3_tokenizer):
+    """A template needs a message (transformers 4.44 raised a bare IndexError for GLM-4); ChatGLM3's built-in format
+    renders an empty chat as its prefix, as before."""
+    with pytest.raises(ValueError, match="conversation is empty"):
+        glm4_tokenizer.apply_chat_template([])
+    assert chatglm3_tokenizer.apply_chat_template([]) == chatglm3_tokenizer.get_prefix_tokens()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
