@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Iterable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -530,6 +530,10 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
     """An explicit device map for `devices` (e.g. ["cuda:0", "cuda:1"]): embedding and rotary table on the first,
     final norm and output layer on the last, the blocks in contiguous runs that balance the parameter count.
     The successor of ChatGLM3's `load_model_on_gpus`, whose maps missed modules."""
+    if isinstance(devices, (str, bytes, int, torch.device)) or not isinstance(devices, Iterable):
+        # A string is iterable: "cuda:0" mapped the layers to 'c', 'u', 'd', ...
+        raise TypeError(f"balanced_device_map: devices must be a list of devices, e.g. [{devices!r}], got "
+                        f"{type(devices).__name__} {devices!r}.")
     devices = list(devices)
     if not devices:
         raise ValueError("balanced_device_map needs at least one device")
@@ -1425,6 +1429,22 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
         )
 
 
+def check_attention_mask_values(attention_mask):
+    """A 2-D mask holds 1 (token) and 0 (padding), with a token in every row: a 2 was attended like a 1, and a row
+    of zeros attended to nothing, both giving logits without meaning and no error."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return
+    ones = attention_mask == 1
+    valid = ones | (attention_mask == 0)
+    if not bool(valid.all()):
+        raise ValueError(f"attention_mask must hold only 1 (token) and 0 (padding); it holds "
+                         f"{attention_mask[~valid][0].item()!r}. Pass the tokenizer's attention_mask, or a bool mask.")
+    empty = ~ones.any(-1)
+    if bool(empty.any()):
+        raise ValueError(f"attention_mask row {int(empty.nonzero()[0, 0])} is all 0: every sequence needs at least "
+                         "one token to attend. Drop empty sequences from the batch.")
+
+
 def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values):
     """Shapes and dtypes of the base model's inputs, each error naming the argument and the shape it must have. Reads
     shapes only (no host sync); token id values are checked separately (check_token_ids)."""
@@ -1599,10 +1619,14 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             past_key_values = new_dynamic_cache(self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
 
+        # Values are checked where it costs no device sync per decode step: tensors on the CPU, or the prompt.
+        values_checked = not is_compiling() and (
+            (input_ids if input_ids is not None else inputs_embeds).device.type == "cpu"
+            or (isinstance(past_length, int) and past_length == 0))
+        if values_checked:
+            check_attention_mask_values(attention_mask)
         if inputs_embeds is None:
-            # Checked where it costs no device sync per decode step: ids on the CPU, or the prompt.
-            if (input_ids.device.type == "cpu" or (isinstance(past_length, int) and past_length == 0)) \
-                    and not is_compiling():
+            if values_checked:
                 check_token_ids(input_ids, self.config.padded_vocab_size)
             inputs_embeds = self.embedding(input_ids)
         if self.vision is not None:  # the one seam of GLM-4V: image rows in, token-layout mask and positions to rows
@@ -2111,6 +2135,8 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = device_boundary(kwargs[name], device)
         kwargs = reserve_static_cache_room(self, inputs, kwargs)  # P-tuning v2: room for the prefix
+        warn_beyond_seq_length(self.config, kwargs.get("max_new_tokens"),
+                               kwargs.get("generation_config") or self.generation_config)
         return super().generate(inputs, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
@@ -2131,6 +2157,18 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             # its own from the 2-D one.
             model_inputs["attention_mask"] = attention_mask
         return model_inputs
+
+
+def warn_beyond_seq_length(config, max_new_tokens, generation_config):
+    """Generating more tokens than the model's context (seq_length) runs, with output that degrades past it."""
+    if max_new_tokens is None:
+        max_new_tokens = getattr(generation_config, "max_new_tokens", None)
+    seq_length = getattr(config, "seq_length", None)
+    if isinstance(max_new_tokens, int) and isinstance(seq_length, int) and max_new_tokens > seq_length:
+        logger.warning_once(
+            f"max_new_tokens={max_new_tokens} is beyond this model's seq_length={seq_length} (config.json), the "
+            "longest context it was trained for: text generated past it degrades. Lower max_new_tokens."
+        )
 
 
 def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, position_ids, inputs_embeds,
