@@ -556,6 +556,36 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
     return device_map
 
 
+def check_devices_exist(device_map: dict):
+    """Every device a device map names exists on this machine (transformers < 4.46 found out only after reading the
+    weights). "cpu", "disk" and "meta" always do; an int is an index on the accelerator."""
+    for entry, device in device_map.items():
+        if isinstance(device, str) and device in ("cpu", "disk", "meta"):
+            continue
+        where = f"device_map[{entry!r}] = {device!r}"
+        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+            raise ValueError(f"{where} is not a device: use a device string such as 'cuda:0', an index, or 'cpu'.")
+        try:
+            device = torch.device(device) if not isinstance(device, int) else device
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise ValueError(f"{where} is not a device ({err}): use e.g. 'cuda:0', 0 or 'cpu'.") from None
+        if isinstance(device, int):
+            accelerator = getattr(torch, "accelerator", None)
+            available = accelerator.device_count() if accelerator is not None else torch.cuda.device_count()
+            index, kind = device, "accelerator"
+        elif device.type in ("cpu", "meta"):
+            continue
+        else:
+            backend = getattr(torch, device.type, None)
+            count = getattr(backend, "device_count", None)
+            available = count() if callable(count) else None
+            index, kind = device.index or 0, device.type
+        if available is not None and not 0 <= index < available:
+            have = f"indices 0 to {available - 1}" if available else "none"
+            raise ValueError(f"{where}: no such device; this machine's {kind} devices: {have}. Use one of those "
+                             "or 'cpu'.")
+
+
 def check_loaded_weights(model: nn.Module, loading_info: dict, source):
     """Refuse a checkpoint that holds few of the model's weights (another family's keys, or first-generation
     ChatGLM-6B ones under a ChatGLM2/3 config): the model would otherwise run with random weights, with only
@@ -1326,6 +1356,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             )
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict):
+            check_devices_exist(device_map)
             with torch.device("meta"):
                 check_device_map(cls(cls._config_for(pretrained_model_name_or_path, kwargs)), device_map)
         if os.path.isdir(os.fspath(pretrained_model_name_or_path)):  # P-tuning v2: a prefix that does not fit fails
@@ -1511,6 +1542,11 @@ def cached_length(past_key_values, model, batch: int):
     if past_key_values is None:
         return 0
     if isinstance(past_key_values, Cache):
+        layers = len(model.encoder.layers)
+        filled = len(past_key_values) if isinstance(past_key_values, DynamicCache) else layers
+        if 0 < filled < layers:  # a cache of another model (transformers < 4.47 took it, and failed in attention)
+            raise ValueError(f"past_key_values holds {filled} layers; this model has {layers} (num_layers). Pass the "
+                             "cache this model returned, or a new DynamicCache().")
         length = past_key_values.get_seq_length()
         if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_compiling():
             return int(length)

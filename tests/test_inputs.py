@@ -148,3 +148,15 @@ def test_balanced_device_map_refuses_a_single_device_where_a_list_belongs(chatgl
     with pytest.raises(TypeError, match=r"devices must be a list of devices, e\.g\. \["):
         chatglm.modeling.balanced_device_map(config, devices)
     assert set(chatglm.modeling.balanced_device_map(config, [devices]).values()) == {devices}
+
+
+def test_a_cache_with_fewer_layers_than_the_model_is_refused(tiny_model):
+    """transformers < 4.47 took it, and attention failed on mismatched sizes."""
+    from transformers import DynamicCache
+
+    model = tiny_model("glm4")  # 3 layers
+    cache = DynamicCache()
+    cache.update(embeds(2, 2, 3, 16), embeds(2, 2, 3, 16), 0)
+    with pytest.raises(ValueError, match=r"past_key_values holds 1 layers; this model has 3 \(num_layers\)"), \
+            torch.no_grad():
+        model(input_ids=IDS, past_key_values=cache)

@@ -457,3 +457,18 @@ def test_checkpoint_with_another_familys_weights_is_refused_listing_keys(tiny_mo
               metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"holds 0 of the \d+ weights.*transformer\.embedding.*{re.escape(found)}"):
         load_causal_lm(folder)
+
+
+@pytest.mark.parametrize("device, named", [("cuda:97", "no such device"), (97, "no such device"),
+                                           ("bogus", "is not a device"), (None, "is not a device")])
+def test_device_map_naming_a_device_this_machine_lacks_is_refused_before_loading(golden, monkeypatch, device, named):
+    """transformers < 4.46 found out only after reading the weights."""
+    import safetensors.torch
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("weights were read before the device map was checked")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", no_read)
+    monkeypatch.setattr(safetensors, "safe_open", no_read)
+    with pytest.raises(ValueError, match=rf"device_map\[''\] = {re.escape(repr(device))}.*{named}"):
+        load_causal_lm(golden.folder, device_map={"": device})
