@@ -12,6 +12,13 @@ import math
 
 from transformers import PretrainedConfig
 
+try:  # transformers >= 4.48 checks attn_implementation against its kernel registry itself
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as _ATTENTION_REGISTRY
+except ImportError:
+    _ATTENTION_REGISTRY = None
+# Before the registry, transformers dropped the config.json value silently (the model ran sdpa, whatever it said).
+KERNELS_WITHOUT_REGISTRY = ("eager", "sdpa", "flash_attention_2")
+
 
 # Fields that only the first-generation ChatGLM-6B config has: its weights have other names and shapes, and loading
 # them here would leave every layer randomly initialised.
@@ -199,6 +206,10 @@ class ChatGLMConfig(PretrainedConfig):
         """A checkpoint's config.json must give its sizes: without them the model would silently be the 6B default
         (tens of GB in fp32) with none of the checkpoint's weights fitting."""
         reject_other_families(config_dict)
+        implementation = config_dict.get("attn_implementation")
+        if _ATTENTION_REGISTRY is None and implementation is not None and implementation not in KERNELS_WITHOUT_REGISTRY:
+            raise ValueError(f"config.json: attn_implementation must be one of {', '.join(KERNELS_WITHOUT_REGISTRY)} "
+                             f"with this transformers release, got {implementation!r}. Fix or remove the field.")
         missing = [name for name in SIZE_FIELDS if name not in config_dict and name not in kwargs]
         if missing:
             raise ValueError(

@@ -472,3 +472,14 @@ def test_device_map_naming_a_device_this_machine_lacks_is_refused_before_loading
     monkeypatch.setattr(safetensors, "safe_open", no_read)
     with pytest.raises(ValueError, match=rf"device_map\[''\] = {re.escape(repr(device))}.*{named}"):
         load_causal_lm(golden.folder, device_map={"": device})
+
+
+def test_config_json_attn_implementation_that_does_not_exist_is_refused(golden, tmp_path):
+    """transformers 4.44 dropped the value silently and ran sdpa; later releases refuse it themselves."""
+    folder = tmp_path / "bogus_attention"
+    shutil.copytree(golden.folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["attn_implementation"] = "bogus"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"attn_implementation.*bogus"):
+        load_causal_lm(folder)
