@@ -586,6 +586,16 @@ def check_devices_exist(device_map: dict):
                              "or 'cpu'.")
 
 
+def check_one_float_width(model: nn.Module):
+    """transformers 4.44 with dtype "auto" and no torch_dtype in config.json took the first weight's dtype for some
+    layers and float32 for others: a float64 weight loaded, and the forward failed on mixed dtypes."""
+    wide = [name for name, param in model.named_parameters() if param.dtype == torch.float64]
+    if wide and len(wide) < sum(1 for param in model.parameters() if param.is_floating_point()):
+        raise ValueError(f"{len(wide)} weights loaded as float64 ({', '.join(wide[:3])}{', ...' if len(wide) > 3 else ''})"
+                         " and the others in another dtype: the checkpoint stores float64 tensors. Pass "
+                         "torch_dtype=torch.bfloat16 (or float32) to from_pretrained (`dtype=` on transformers >= 4.56).")
+
+
 def check_loaded_weights(model: nn.Module, loading_info: dict, source):
     """Refuse a checkpoint that holds few of the model's weights (another family's keys, or first-generation
     ChatGLM-6B ones under a ChatGLM2/3 config): the model would otherwise run with random weights, with only
@@ -1366,6 +1376,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
                                               **kwargs)
         check_loaded_weights(model, info, pretrained_model_name_or_path)
+        check_one_float_width(model)
         train_prefix_only(model.base_model)  # P-tuning v2: 5.x loads weights as new, trainable Parameters
         report_prefix_weights(model, info)
         for module in model.modules():

@@ -483,3 +483,28 @@ def test_config_json_attn_implementation_that_does_not_exist_is_refused(golden, 
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"attn_implementation.*bogus"):
         load_causal_lm(folder)
+
+
+def test_checkpoint_with_a_float64_weight_loads_in_one_dtype_or_names_the_argument(golden, tmp_path):
+    """transformers 4.44 with dtype "auto" and no torch_dtype in config.json loaded that weight as float64 and the
+    others as float32; the forward then failed on mixed dtypes."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "float64_weight"
+    shutil.copytree(golden.folder, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = weights[first].double()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    try:
+        model = load_causal_lm(folder, dtype="auto")
+    except ValueError as error:
+        assert "float64" in str(error) and "torch_dtype" in str(error) and first in str(error), str(error)
+        return
+    assert len({p.dtype for p in model.parameters()}) == 1
+    with torch.no_grad():
+        model(input_ids=golden.expected["seq_1_input_ids"][None])
