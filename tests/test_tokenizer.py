@@ -401,8 +401,10 @@ def test_chatglm3_encode_gives_the_original_ids(chatglm3_tokenizer, chatglm3_rec
 
 @pytest.mark.parametrize("text", ["eop The ratio was 3:1", "[sMASK]", "[MASK] x", "a eop b"])
 def test_chatglm3_mask_and_eop_text_stays_text(chatglm3_tokenizer, sp_oracle, text):
-    """The original encoded these as SentencePiece text ("eop The..." gave [315, 404, 353, ...])."""
+    """The original encoded these as SentencePiece text."""
     assert chatglm3_tokenizer.encode(text, add_special_tokens=False) == sp_oracle.encode(text)
+    if text.startswith("eop The"):
+        assert sp_oracle.encode(text)[:3] == [315, 404, 353]  # the original's ids, as the issue reported them
 
 
 def test_chatglm3_split_special_tokens_is_sentencepiece(chatglm3_tokenizer, chatglm3_records):
