@@ -4,7 +4,8 @@
 # Usage: source scripts/env.sh [TRANSFORMERS_VERSION]   (empty or absent: the newest tested release)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${CHATGLM_VENV:-$ROOT/.venv}"
+# CHATGLM_MINIMAL=1: the minimal environment (only the six dependencies and the test runner), in its own venv.
+if [ "${CHATGLM_MINIMAL:-0}" = 1 ]; then VENV="${CHATGLM_MINIMAL_VENV:-$ROOT/.venv-minimal}"; else VENV="${CHATGLM_VENV:-$ROOT/.venv}"; fi
 PY="$VENV/bin/python"
 CONSTRAINTS="$ROOT/scripts/constraints.txt"
 # Newest release the repository is tested against; the demo runs on it.
@@ -17,12 +18,12 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRA
 if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
   pip_install torch==2.13.0
 fi
-# The dependencies, then what the tests exercise as users do: PEFT, Pillow (GLM-4V images), torchao and
-# optimum-quanto (model.quantize()).
+# The six dependencies and the test runner; then, unless CHATGLM_MINIMAL=1, what the tests exercise as users do:
+# PEFT (LoRA recipes), Pillow (GLM-4V images), torchao and optimum-quanto (model.quantize()).
 if ! "$PY" -c 'import accelerate, safetensors, sentencepiece, tiktoken, pytest, hypothesis' 2>/dev/null; then
   pip_install accelerate safetensors sentencepiece tiktoken pytest hypothesis
 fi
-if ! "$PY" -c 'import peft, PIL, torchao, optimum.quanto' 2>/dev/null; then
+if [ "${CHATGLM_MINIMAL:-0}" != 1 ] && ! "$PY" -c 'import peft, PIL, torchao, optimum.quanto' 2>/dev/null; then
   pip_install peft pillow torchao optimum-quanto
 fi
 

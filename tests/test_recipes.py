@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-from conftest import save_checkpoint
+from conftest import optional_package, save_checkpoint
 from tokenizer_fixtures import make_tokenizer_folder
 from virtual_devices import pipeline_device_map, virtual_devices
 
@@ -75,6 +75,7 @@ def run_recipe(folder, family, output_dir, lora=True, device_map=None, **argumen
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True,
                                                               device_map=device_map)
     if lora:
+        optional_package("peft", "PEFT")
         from peft import LoraConfig, TaskType, get_peft_model
 
         model.enable_input_require_grads()
