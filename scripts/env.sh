@@ -34,6 +34,18 @@ use_transformers() {
   if [ "$have" != "$want" ]; then
     pip_install "transformers==$want"
   fi
+  # TRL as users of that release have it (its SFTTrainer recipe in tests/test_recipes.py): the TRL release of the
+  # same months, which names that transformers among those it supports.
+  if [ "${CHATGLM_MINIMAL:-0}" != 1 ]; then
+    local trl
+    case "$want" in
+      4.44.*|4.45.*) trl=0.11.4 ;; 4.46.*|4.47.*) trl=0.12.2 ;; 4.48.*|4.49.*|4.50.*) trl=0.15.2 ;;
+      4.51.*|4.52.*|4.53.*|4.54.*|4.55.*) trl=0.19.1 ;; *) trl=1.16.0 ;;
+    esac
+    if [ "$("$PY" -c 'import trl; print(trl.__version__)' 2>/dev/null || true)" != "$trl" ]; then
+      pip_install "trl==$trl" "transformers==$want"
+    fi
+  fi
 }
 use_transformers "${1:-$DEFAULT_TRANSFORMERS}"
 

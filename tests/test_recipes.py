@@ -180,3 +180,41 @@ def test_chat_after_lora_training_answers_alike_with_the_adapter_and_merged(chec
     response, history = merged.chat(tokenizer, "Who are you?", history=[], do_sample=False, max_length=48)
     assert (response, history) == with_adapter
     assert history[0] == {"role": "user", "content": "Who are you?"} and history[-1]["role"] == "assistant"
+
+
+def test_trl_sft_trainer_with_lora_trains_with_gradient_checkpointing(checkpoints, tmp_path):
+    """TRL's SFTTrainer with a LoRA peft_config on a "text" data set, as its documentation writes the call (the TRL
+    release pinned for this transformers by scripts/env.sh; its argument names changed over the releases)."""
+    trl = optional_package("trl", "TRL")
+    datasets = optional_package("datasets", "datasets (TRL's)")
+    optional_package("peft", "PEFT")
+    import inspect
+
+    from peft import LoraConfig
+
+    folder = str(checkpoints["glm4"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    # The tokenizer adds [gMASK]<sop> itself: the text starts after it.
+    texts = [recipe_prompt("glm4", example).removeprefix("[gMASK]<sop>") + example["output"] for example in EXAMPLES]
+    config_fields = inspect.signature(trl.SFTConfig).parameters
+    length = {"max_length" if "max_length" in config_fields else "max_seq_length": 128}
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=len(EXAMPLES),
+                         logging_steps=1, learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True,
+                         gradient_checkpointing=True, dataset_text_field="text", packing=False, **length)
+    tokenizer_argument = "processing_class" if "processing_class" in inspect.signature(trl.SFTTrainer).parameters \
+        else "tokenizer"
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": texts}),
+                             peft_config=LoraConfig(task_type="CAUSAL_LM", target_modules=LORA_TARGETS, r=8,
+                                                    lora_alpha=32, lora_dropout=0.0),
+                             **{tokenizer_argument: tokenizer})
+    calls = []
+    trainer.model.base_model.model.transformer.encoder.layers[0].self_attention.register_forward_pre_hook(
+        lambda *_: calls.append(1))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    losses = logged_losses(trainer)
+    assert len(losses) == len(EXAMPLES) and all(loss == loss and loss > 0 for loss in losses)
+    assert len(calls) == 2 * len(EXAMPLES)  # checkpointed: every step's block runs again in the backward pass
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("lora_" in n for n in changed)
