@@ -123,6 +123,10 @@ except ImportError:
 
 # 4.56 added DynamicCache(config=...), and 5.0 builds its layers from the config.
 _DYNAMIC_CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
+# 5.x's Trainer calls activation_checkpointing_enable(activation_checkpointing_kwargs, every_n_layers, offload), with
+# gradient_checkpointing_enable() a deprecated alias of it; earlier releases have gradient_checkpointing_enable only.
+# The model overrides whichever is the entry point, so the Trainer never reaches the alias (and its warning).
+_HAS_ACTIVATION_CHECKPOINTING = hasattr(PreTrainedModel, "activation_checkpointing_enable")
 # 4.44 and 4.45 have no generic GenerationMixin.prepare_inputs_for_generation (the 4.44 one only raises).
 _HAS_GENERIC_PREPARE_INPUTS = "past_key_values" in inspect.signature(
     GenerationMixin.prepare_inputs_for_generation
@@ -1369,7 +1373,8 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             check_devices_exist(device_map)
             with torch.device("meta"):
                 check_device_map(cls(cls._config_for(pretrained_model_name_or_path, kwargs)), device_map)
-        if os.path.isdir(os.fspath(pretrained_model_name_or_path)):  # P-tuning v2: a prefix that does not fit fails
+        if pretrained_model_name_or_path is not None and os.path.isdir(os.fspath(pretrained_model_name_or_path)):
+            # P-tuning v2: a prefix that does not fit fails
             config = prefix_config(cls._config_for(pretrained_model_name_or_path, kwargs), kwargs)
             check_prefix_checkpoint(pretrained_model_name_or_path, config)
         with_info = kwargs.pop("output_loading_info", False)
@@ -1382,13 +1387,33 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.own_loaded_buffer()
+        if _TIED_KEYS_ARE_A_MAPPING and getattr(model.config, "tie_word_embeddings", False):
+            # 5.x leaves a checkpoint's two stored matrices untied (with a warning) even when the config asks for
+            # tying; 4.x ties them, the input embedding winning. from_pretrained(..., tie_word_embeddings=True) ties.
+            model.tie_weights()
         return (model, info) if with_info else model
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        """transformers' gradient checkpointing; non-reentrant with a P-tuning v2 prefix (prefix_checkpointing_kwargs)."""
+    def checkpoint_function_kwargs(self, kwargs: Optional[dict]) -> Optional[dict]:
+        """The keyword arguments for torch.utils.checkpoint: non-reentrant with a P-tuning v2 prefix
+        (prefix_checkpointing_kwargs), else as given."""
         if getattr(self.base_model, "prefix_encoder", None) is not None:
-            gradient_checkpointing_kwargs = prefix_checkpointing_kwargs(gradient_checkpointing_kwargs)
-        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+            return prefix_checkpointing_kwargs(kwargs)
+        return kwargs
+
+    if _HAS_ACTIVATION_CHECKPOINTING:
+
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs):
+            """transformers' activation checkpointing (the Trainer calls it with every_n_layers and offload;
+            gradient_checkpointing_enable() is transformers' alias of it here)."""
+            super().activation_checkpointing_enable(self.checkpoint_function_kwargs(activation_checkpointing_kwargs),
+                                                    *args, **kwargs)
+
+    else:
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, *args, **kwargs):
+            """transformers' gradient checkpointing."""
+            super().gradient_checkpointing_enable(self.checkpoint_function_kwargs(gradient_checkpointing_kwargs),
+                                                  *args, **kwargs)
 
     def load_prefix_encoder(self, path) -> str:
         """Load a P-tuning v2 prefix saved apart from the base model (a file or a folder: the ChatGLM2/3 ptuning
@@ -2170,11 +2195,17 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             shift_labels=device_boundary(shift_labels, logits.device),
         )
 
-    def generate(self, inputs=None, **kwargs):
+    def generate(self, inputs=None, *args, **kwargs):
         """transformers' generate(), with its bookkeeping (prompt, mask, the tokens it appends) on the logits' device:
         new tokens are picked there, and logits processors read the ids beside the scores. Each forward moves the
         step's inputs to the embedding's device. Without this, a prompt left on the CPU warns and runs slowly before
         5.x, and a model split over devices fails there unless accelerate's hooks move the logits back."""
+        if args:  # generate(ids, generation_config, logits_processor, ...): named as transformers' generate names them
+            names = [parameter.name for parameter in inspect.signature(GenerationMixin.generate).parameters.values()
+                     if parameter.kind is parameter.POSITIONAL_OR_KEYWORD][2:]  # after self, inputs
+            if len(args) > len(names):
+                raise TypeError(f"generate() takes at most {len(names)} positional arguments after inputs")
+            kwargs.update(zip(names, args))
         device = execution_device(self.transformer.output_layer)
         if isinstance(inputs, torch.Tensor):
             inputs = device_boundary(inputs, device)

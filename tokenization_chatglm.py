@@ -82,6 +82,16 @@ def _import_sentencepiece():
     return sentencepiece
 
 
+def _import_pillow():
+    # Only GLM-4V's images need Pillow; inside `try` so that the remote-code import check does not ask every text
+    # checkpoint for it (transformers 5.x reads the imports of the whole file).
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise ImportError("GLM-4V images need the `Pillow` package: pip install pillow") from err
+    return Image
+
+
 # ======================================================================================================================
 # transformers version compatibility: every difference between the supported transformers releases is handled here.
 # ======================================================================================================================
@@ -727,8 +737,8 @@ def image_to_pixels(image, size: int):
     """A PIL RGB image as GLM-4V's vision input [3, size, size]: bicubic resize to size x size, values scaled to
     [0, 1], normalised per channel -- the original's torchvision Resize / ToTensor / Normalize, with PIL and torch."""
     import torch
-    from PIL import Image
 
+    Image = _import_pillow()
     if not isinstance(image, Image.Image):
         raise TypeError(f"A chat message's 'image' must be a PIL image (PIL.Image.open(path).convert('RGB')), got "
                         f"{type(image).__name__}.")

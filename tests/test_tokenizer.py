@@ -13,6 +13,8 @@ import pickle
 import re
 
 import pytest
+
+from conftest import optional_package
 from hypothesis import example, given, settings, strategies as st
 
 import conftest
@@ -1296,7 +1298,7 @@ def glm4v_tokenizer(tokenizer_folder_factory):
 
 
 def golden_image(expected):
-    from PIL import Image
+    Image = optional_package("PIL.Image", "Pillow")
 
     pixels = expected["image_uint8"]
     return Image.frombytes("RGB", (pixels.shape[1], pixels.shape[0]), bytes(pixels.flatten().tolist()))
@@ -1332,7 +1334,7 @@ def test_chat_without_an_image_is_the_text_chat(glm4v_tokenizer):
 
 
 def test_batch_of_chats_with_an_image_each_is_left_padded(glm4v_tokenizer):
-    from PIL import Image
+    Image = optional_package("PIL.Image", "Pillow")
 
     images = [Image.new("RGB", (40, 30), color) for color in ((255, 0, 0), (0, 0, 255))]
     chats = [[{"role": "user", "image": images[0], "content": "What colour?"}],
@@ -1347,7 +1349,7 @@ def test_batch_of_chats_with_an_image_each_is_left_padded(glm4v_tokenizer):
 
 
 def test_image_tokens_typed_as_text_stay_text(glm4v_tokenizer):
-    from PIL import Image
+    Image = optional_package("PIL.Image", "Pillow")
 
     chat = [{"role": "user", "image": Image.new("RGB", (8, 8)), "content": "<|begin_of_image|> is text here"}]
     ids = glm4v_tokenizer.apply_chat_template(chat)
@@ -1364,14 +1366,14 @@ def test_image_tokens_typed_as_text_stay_text(glm4v_tokenizer):
      r"Some conversations of this batch hold an image"),
 ], ids=["path", "rgba", "two-images", "mixed-batch"])
 def test_bad_images_get_a_clear_error(glm4v_tokenizer, chats, error, message):
-    from PIL import Image
+    Image = optional_package("PIL.Image", "Pillow")
 
     with pytest.raises(error, match=message):
         glm4v_tokenizer.apply_chat_template(chats(Image.new("RGB", (8, 8))), padding=True, return_dict=True)
 
 
 def test_tokenizer_without_image_size_says_where_to_set_it(glm4_tokenizer):
-    from PIL import Image
+    Image = optional_package("PIL.Image", "Pillow")
 
     with pytest.raises(ValueError, match=r"image_size.*1120"):
         glm4_tokenizer.apply_chat_template([{"role": "user", "image": Image.new("RGB", (8, 8)), "content": "hi"}],
