@@ -1,0 +1,368 @@
+#!/usr/bin/env python
+"""Export a ChatGLM2/3 or GLM-4 checkpoint (the original format) to transformers' own Glm: no remote code needed.
+
+    python tools/export_to_native_glm.py /path/to/glm-4-9b-chat  /path/to/glm-4-9b-chat-native
+    python tools/export_to_native_glm.py /path/to/chatglm3-6b    /path/to/chatglm3-6b-native --max-shard-size 2GB
+
+SOURCE is a checkpoint folder in the original layout (config.json with `padded_vocab_size`, safetensors or
+pytorch_model*.bin weights, tokenizer.model): chat, base, 1m, codegeex4, fine-tuned or LoRA-merged; or a Hugging Face
+cache folder (`models--THUDM--glm-4-9b-chat`, or one of its snapshots). OUTPUT is a new folder that
+`AutoModelForCausalLM.from_pretrained(OUTPUT)` and `AutoTokenizer.from_pretrained(OUTPUT)` load without
+`trust_remote_code` (transformers >= 4.46), and that vLLM, SGLang and llama.cpp's convert_hf_to_gguf.py read as Glm:
+
+* config.json: GlmConfig, `architectures: ["GlmForCausalLM"]`, the rotary base 10000 * rope_ratio (half of each head
+  turns), the checkpoint's dtype, eos and pad ids;
+* model-0000N-of-0000M.safetensors + index: the weights in Glm's names (the fused query_key_value split into q/k/v;
+  dense_h_to_4h is already gate|up), written shard by shard: memory holds one output shard, never the model;
+* tokenizer.json (the fast tokenizer of tools/convert_tokenizer_to_fast.py, ids equal to the slow tokenizer's),
+  tokenizer_config.json (PreTrainedTokenizerFast, the family's special tokens, the chat template: GLM-4's own, with
+  tools and observations; for ChatGLM3 one that renders build_chat_input's prompt), generation_config.json (ChatGLM3
+  also stops at <|user|> and <|observation|>, as its chat() does).
+
+What Glm cannot hold is refused, naming the field: a P-tuning v2 prefix (`pre_seq_len`), GLM-4V's vision tower,
+`quantization_bit`, and the layout flags released checkpoints never set. SOURCE is only read. OUTPUT is written in a
+hidden folder beside it and renamed into place at the end: it appears complete or not at all (an existing OUTPUT is
+refused). Exit codes: 0 done, 1 failed (nothing written), 2 refused.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from folder_transaction import REPO, Failed, Refused, exit_code, report
+
+TOOL = "export_to_native_glm.py"
+DEFAULT_SHARD = "5GB"
+# Flags of the original config that Glm has no counterpart for, with the value Glm computes (released checkpoints all
+# have it); anything else is refused.
+GLM_LAYOUT = {"rmsnorm": True, "add_bias_linear": False, "apply_residual_connection_post_layernorm": False,
+              "post_layer_norm": True, "original_rope": True}
+FAMILY_NAMES = {"glm4": "GLM-4", "chatglm3": "ChatGLM3"}
+# ChatGLM3's prompt as build_chat_input writes it, as text: [gMASK]sop, then per message <|role|>, its metadata line,
+# and " content" (SentencePiece's word-start marker before content encoded on its own); a system message's tools follow
+# its content as indented JSON, as the original did.
+CHATGLM3_TEMPLATE = (
+    "[gMASK]sop{% for message in messages %}"
+    "{% set content = message.get('content') or '' %}"
+    "{% if message['role'] == 'system' and message.get('tools') is not none %}"
+    "{% set content = content ~ '\\n' ~ (message['tools'] | tojson(indent=4)) %}{% endif %}"
+    "<|{{ message['role'] }}|>{{ message.get('metadata') or '' }}\n{% if content %} {{ content }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def parse_size(text: str) -> int:
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
+    if not found:
+        raise Refused(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or a number of bytes")
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    size = int(float(found.group(1)) * units[(found.group(2) or "").upper()])
+    if size < 1:
+        raise Refused(f"--max-shard-size {text!r} is not a positive size")
+    return size
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The source checkpoint
+# ---------------------------------------------------------------------------------------------------------------------
+
+def checkpoint_folder(source: Path) -> Path:
+    """The folder holding config.json: SOURCE itself, or the snapshot a Hugging Face cache folder's refs/main names."""
+    if (source / "config.json").is_file():
+        return source
+    if (source / "snapshots").is_dir():
+        ref = source / "refs" / "main"
+        snapshots = sorted(p for p in (source / "snapshots").iterdir() if (p / "config.json").is_file())
+        chosen = source / "snapshots" / ref.read_text().strip() if ref.is_file() else None
+        if chosen is not None and (chosen / "config.json").is_file():
+            return chosen
+        if len(snapshots) == 1:
+            return snapshots[0]
+        raise Refused(f"{source} is a Hugging Face cache folder with {len(snapshots)} snapshots and no refs/main: "
+                      "give the snapshot folder to export")
+    raise Refused(f"{source} has no config.json: give the folder of a ChatGLM2/3 or GLM-4 checkpoint")
+
+
+def read_config(folder: Path) -> dict:
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("model_type") != "chatglm":
+        raise Refused(f"{folder / 'config.json'} has model_type {config.get('model_type')!r}, not 'chatglm': this "
+                      "tool exports ChatGLM2/3 and GLM-4 checkpoints in the original format")
+    if config.get("pre_seq_len"):
+        raise Refused(f"pre_seq_len={config['pre_seq_len']} in config.json: a P-tuning v2 prefix has no place in Glm "
+                      "(serve this checkpoint with our remote code, or export the base checkpoint without the prefix)")
+    if config.get("vision_config"):
+        raise Refused("vision_config in config.json: GLM-4V's vision tower has no place in Glm (serve glm-4v-9b with "
+                      "our remote code)")
+    if config.get("quantization_bit"):
+        raise Refused(f"quantization_bit={config['quantization_bit']} in config.json: export the unquantized "
+                      "checkpoint, then quantize the export (bitsandbytes, GGUF, ...)")
+    for field, value in GLM_LAYOUT.items():
+        if config.get(field, value) != value:
+            raise Refused(f"{field}={config[field]!r} in config.json: transformers' Glm computes {field}={value!r} "
+                          "only; this checkpoint cannot be exported")
+    for field in ("hidden_size", "num_layers", "num_attention_heads", "kv_channels", "ffn_hidden_size",
+                  "padded_vocab_size"):
+        if not isinstance(config.get(field), int):
+            raise Refused(f"config.json lacks the integer field {field!r} of a ChatGLM2/3 / GLM-4 config")
+    return config
+
+
+class SourceWeights:
+    """The checkpoint's tensors, read one at a time (safetensors files memory-mapped, .bin files loaded mmap)."""
+
+    def __init__(self, folder: Path):
+        self.files = {}  # key -> file
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if (folder / index_name).is_file():
+                weight_map = json.loads((folder / index_name).read_text())["weight_map"]
+                self.files = {key: folder / name for key, name in weight_map.items()}
+                break
+        else:
+            for pattern in ("model*.safetensors", "pytorch_model*.bin"):
+                for path in sorted(folder.glob(pattern)):
+                    self.files.update(dict.fromkeys(self._keys(path), path))
+                if self.files:
+                    break
+        if not self.files:
+            raise Refused(f"{folder} holds no weights (model*.safetensors or pytorch_model*.bin)")
+        self._open = {}
+
+    @staticmethod
+    def _keys(path: Path):
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as handle:
+                return list(handle.keys())
+        import torch
+
+        return list(torch.load(str(path), map_location="cpu", mmap=True, weights_only=True))
+
+    def get(self, key: str):
+        path = self.files.get(key)
+        if path is None:
+            return None
+        if path not in self._open:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                self._open[path] = safe_open(str(path), "pt")
+            else:
+                import torch
+
+                self._open[path] = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        handle = self._open[path]
+        return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
+
+    def need(self, key: str):
+        tensor = self.get(key)
+        if tensor is None:
+            raise Refused(f"the checkpoint has no weight {key!r}: it is not a complete ChatGLM2/3 / GLM-4 checkpoint")
+        return tensor
+
+
+def native_tensors(weights: SourceWeights, sizes: SimpleNamespace):
+    """(Glm name, tensor) in checkpoint order, one source tensor read at a time (tools/native_glm.py's mapping)."""
+    yield "model.embed_tokens.weight", weights.need("transformer.embedding.word_embeddings.weight")
+    q, kv = sizes.num_attention_heads * sizes.kv_channels, sizes.multi_query_group_num * sizes.kv_channels
+    for i in range(sizes.num_layers):
+        src, dst = f"transformer.encoder.layers.{i}.", f"model.layers.{i}."
+        yield dst + "input_layernorm.weight", weights.need(src + "input_layernorm.weight")
+        for part in ("weight", "bias"):
+            fused = weights.get(src + f"self_attention.query_key_value.{part}")
+            if fused is None and part == "weight":
+                weights.need(src + "self_attention.query_key_value.weight")
+            if fused is not None:
+                for name, piece in zip(("q_proj", "k_proj", "v_proj"), fused.split([q, kv, kv], dim=0)):
+                    yield dst + f"self_attn.{name}.{part}", piece
+        yield dst + "self_attn.o_proj.weight", weights.need(src + "self_attention.dense.weight")
+        yield dst + "post_attention_layernorm.weight", weights.need(src + "post_attention_layernorm.weight")
+        yield dst + "mlp.gate_up_proj.weight", weights.need(src + "mlp.dense_h_to_4h.weight")
+        yield dst + "mlp.down_proj.weight", weights.need(src + "mlp.dense_4h_to_h.weight")
+    yield "model.norm.weight", weights.need("transformer.encoder.final_layernorm.weight")
+    yield "lm_head.weight", weights.need("transformer.output_layer.weight")
+
+
+def write_shards(tensors, folder: Path, max_shard_bytes: int) -> tuple:
+    """Write the tensors into shards of at most max_shard_bytes (a larger tensor gets a shard of its own), each shard
+    written before the next is gathered; returns (file names, dtype of the embedding, total bytes)."""
+    from safetensors.torch import save_file
+
+    shards, weight_map, current, current_bytes, total, dtype = [], {}, {}, 0, 0, None
+
+    def flush():
+        nonlocal current, current_bytes
+        if current:
+            name = f"shard-{len(shards):05d}.safetensors"
+            save_file(current, str(folder / name), metadata={"format": "pt"})
+            shards.append(name)
+            weight_map.update(dict.fromkeys(current, name))
+            current, current_bytes = {}, 0
+
+    for key, tensor in tensors:
+        dtype = dtype or tensor.dtype
+        size = tensor.numel() * tensor.element_size()
+        if current and current_bytes + size > max_shard_bytes:
+            flush()
+        current[key] = tensor.contiguous().clone()  # a copy: the source stays memory-mapped, read-only
+        current_bytes += size
+        total += size
+    flush()
+    names = {old: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, old in enumerate(shards)}
+    for old, new in names.items():
+        os.replace(folder / old, folder / new)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return list(names.values()), dtype, total
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config, generation config, tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+def glm_sizes(config: dict) -> SimpleNamespace:
+    """What tools/native_glm.py reads of a ChatGLMConfig, from config.json (key/value heads: the query heads without
+    multi-query attention)."""
+    return SimpleNamespace(
+        padded_vocab_size=config["padded_vocab_size"], hidden_size=config["hidden_size"],
+        ffn_hidden_size=config["ffn_hidden_size"], num_layers=config["num_layers"],
+        num_attention_heads=config["num_attention_heads"], kv_channels=config["kv_channels"],
+        multi_query_group_num=config.get("multi_query_group_num", 1) if config.get("multi_query_attention")
+        else config["num_attention_heads"],
+        layernorm_epsilon=config.get("layernorm_epsilon", 1e-5), add_qkv_bias=config.get("add_qkv_bias", False),
+        seq_length=config.get("seq_length", 2048), rope_ratio=config.get("rope_ratio", 1),
+    )
+
+
+def eos_ids(config: dict, family: str, tokenizer) -> list:
+    ids = config.get("eos_token_id")
+    ids = list(ids) if isinstance(ids, list) else [ids if ids is not None else tokenizer.eos_token_id]
+    if family == "chatglm3":  # chat() stops at the next turn's role too
+        ids += [tokenizer.convert_tokens_to_ids(t) for t in ("<|user|>", "<|observation|>")]
+    return list(dict.fromkeys(ids))
+
+
+def write_config(folder: Path, sizes, dtype, eos: list, pad_id: int) -> None:
+    from native_glm import native_glm_config
+
+    glm = native_glm_config(sizes)
+    glm.architectures = ["GlmForCausalLM"]
+    glm.eos_token_id, glm.pad_token_id = eos, pad_id
+    glm.save_pretrained(folder)
+    path = folder / "config.json"
+    content = json.loads(path.read_text())
+    content["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if "dtype" in content:
+        content["dtype"] = content["torch_dtype"]
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+
+def write_generation_config(source: Path, folder: Path, eos: list, pad_id: int) -> None:
+    settings = {}
+    if (source / "generation_config.json").is_file():
+        settings = json.loads((source / "generation_config.json").read_text())
+    settings.pop("transformers_version", None)
+    settings.update(eos_token_id=eos, pad_token_id=pad_id)
+    (folder / "generation_config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def write_tokenizer(source: Path, folder: Path, seq_length: int):
+    """tokenizer.json and tokenizer_config.json; returns (family, our slow tokenizer of SOURCE)."""
+    from convert_tokenizer_to_fast import build_fast_tokenizer, family_of, tokenizer_json
+
+    model_path = source / "tokenizer.model"
+    if not model_path.is_file():
+        raise Refused(f"{source} has no tokenizer.model: the export needs the checkpoint's tokenizer")
+    try:
+        family = family_of(model_path)
+        (folder / "tokenizer.json").write_bytes(tokenizer_json(build_fast_tokenizer(model_path)))
+    except ValueError as error:  # a damaged or foreign tokenizer.model; the message names the file
+        raise Refused(str(error)) from None
+    sys.path.insert(0, str(REPO))
+    from tokenization_chatglm import ChatGLM4Tokenizer, ChatGLMTokenizer
+
+    slow_class = ChatGLM4Tokenizer if family == "glm4" else ChatGLMTokenizer
+    slow = slow_class(vocab_file=str(model_path))
+    source_settings = {}
+    if (source / "tokenizer_config.json").is_file():
+        source_settings = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if family == "glm4":
+        # GLM-4's own template (the checkpoint's, else this repository's copy of glm-4-9b-chat's).
+        template = source_settings.get("chat_template") or json.loads(
+            (REPO / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]
+        special = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+    else:
+        template = CHATGLM3_TEMPLATE
+        special = {"eos_token": "</s>", "pad_token": "<unk>", "unk_token": "<unk>"}
+    settings = dict(special, tokenizer_class="PreTrainedTokenizerFast", chat_template=template,
+                    add_bos_token=False,  # the [gMASK] sop prefix comes from the post-processor / the template
+                    clean_up_tokenization_spaces=False, padding_side="left", model_max_length=seq_length,
+                    model_input_names=["input_ids", "attention_mask"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n",
+                                                  encoding="utf-8")
+    return family, slow
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------------------
+
+def export(source: Path, output: Path, max_shard_bytes: int) -> int:
+    folder = checkpoint_folder(source)
+    config = read_config(folder)
+    output = Path(os.path.abspath(output))
+    if output.exists() or output.is_symlink():
+        raise Refused(f"{output} exists: give a new folder (the export never writes into an existing one)")
+    if output == folder.resolve() or folder.resolve() in output.parents or source.resolve() in output.parents:
+        raise Refused(f"{output} is inside the checkpoint {folder}: the export writes a new folder and never into "
+                      "the source")
+    if not output.parent.is_dir():
+        raise Refused(f"{output.parent} does not exist: create it, or give OUTPUT in an existing folder")
+    sizes = glm_sizes(config)
+    staging = output.parent / f".{output.name}.export-{os.getpid()}"
+    try:
+        staging.mkdir()
+        family, slow = write_tokenizer(folder, staging, sizes.seq_length)
+        eos = eos_ids(config, family, slow)
+        pad_id = config.get("pad_token_id", slow.pad_token_id)
+        shards, dtype, total = write_shards(native_tensors(SourceWeights(folder), sizes), staging, max_shard_bytes)
+        write_config(staging, sizes, dtype, eos, pad_id)
+        write_generation_config(folder, staging, eos, pad_id)
+        os.rename(staging, output)  # the whole export appears at once
+    except (Refused, KeyboardInterrupt):
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise Failed(f"writing {output} failed ({error.strerror or error}); nothing was written") from None
+    except Exception:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report(f"exported the {FAMILY_NAMES[family]} checkpoint {folder} to {output} (transformers' Glm, no remote code)",
+           [f"config.json: GlmForCausalLM, {sizes.num_layers} layers, rope base {10000 * sizes.rope_ratio:g}, "
+            f"{str(dtype).removeprefix('torch.')}, eos {eos}",
+            f"{len(shards)} weight shard(s), {total / 1e9:.2f} GB, with model.safetensors.index.json",
+            "tokenizer.json, tokenizer_config.json (PreTrainedTokenizerFast, chat template), generation_config.json"])
+    print("load it with (transformers >= 4.46):\n"
+          f"  AutoModelForCausalLM.from_pretrained({str(output)!r}); AutoTokenizer.from_pretrained({str(output)!r})\n"
+          f"serve it: vllm serve {output}   |   llama.cpp: python convert_hf_to_gguf.py {output} --outfile model.gguf")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", type=Path, help="ChatGLM2/3 or GLM-4 checkpoint folder (or Hugging Face cache folder)")
+    parser.add_argument("output", type=Path, help="the new folder to write")
+    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD, help=f"largest weight file (default {DEFAULT_SHARD})")
+    args = parser.parse_args(argv)
+    return exit_code(lambda: export(args.source, args.output, parse_size(args.max_shard_size)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
