@@ -29,13 +29,21 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 from folder_transaction import REPO, Failed, Refused, exit_code, report
 
 TOOL = "export_to_native_glm.py"
+# safetensors' dtype names (its format) and torch's
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 DEFAULT_SHARD = "5GB"
 # Flags of the original config that Glm has no counterpart for, with the value Glm computes (released checkpoints all
 # have it); anything else is refused.
@@ -140,86 +148,124 @@ class SourceWeights:
 
             with safe_open(str(path), "pt") as handle:
                 return list(handle.keys())
-        import torch
-
         return list(torch.load(str(path), map_location="cpu", mmap=True, weights_only=True))
 
-    def get(self, key: str):
+    def _handle(self, key: str):
         path = self.files.get(key)
         if path is None:
-            return None
+            raise Refused(f"the checkpoint has no weight {key!r}: it is not a complete ChatGLM2/3 / GLM-4 checkpoint")
         if path not in self._open:
             if path.suffix == ".safetensors":
                 from safetensors import safe_open
 
                 self._open[path] = safe_open(str(path), "pt")
             else:
-                import torch
-
                 self._open[path] = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-        handle = self._open[path]
+        return self._open[path]
+
+    def has(self, key: str) -> bool:
+        return key in self.files
+
+    def meta(self, key: str):
+        """(shape, dtype) without reading the data."""
+        handle = self._handle(key)
+        if hasattr(handle, "get_slice"):
+            part = handle.get_slice(key)
+            return tuple(part.get_shape()), SAFETENSORS_DTYPES[part.get_dtype()]
+        return tuple(handle[key].shape), handle[key].dtype
+
+    def read(self, key: str):
+        handle = self._handle(key)
         return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
 
-    def need(self, key: str):
-        tensor = self.get(key)
-        if tensor is None:
-            raise Refused(f"the checkpoint has no weight {key!r}: it is not a complete ChatGLM2/3 / GLM-4 checkpoint")
-        return tensor
+
+class Piece:
+    """One tensor of the export: rows [start, stop) of a source tensor (all of it when stop is None)."""
+
+    def __init__(self, key, source, shape, dtype, start=0, stop=None):
+        self.key, self.source, self.shape, self.dtype, self.start, self.stop = key, source, shape, dtype, start, stop
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.dtype.itemsize
 
 
-def native_tensors(weights: SourceWeights, sizes: SimpleNamespace):
-    """(Glm name, tensor) in checkpoint order, one source tensor read at a time (tools/native_glm.py's mapping)."""
-    yield "model.embed_tokens.weight", weights.need("transformer.embedding.word_embeddings.weight")
+def native_pieces(weights: SourceWeights, sizes: SimpleNamespace) -> list:
+    """The export's tensors in Glm's names, in checkpoint order (tools/native_glm.py's mapping), from the source's
+    metadata alone: the fused query_key_value is cut into q/k/v rows."""
+    def whole(key, source):
+        return Piece(key, source, *weights.meta(source))
+
+    pieces = [whole("model.embed_tokens.weight", "transformer.embedding.word_embeddings.weight")]
     q, kv = sizes.num_attention_heads * sizes.kv_channels, sizes.multi_query_group_num * sizes.kv_channels
     for i in range(sizes.num_layers):
         src, dst = f"transformer.encoder.layers.{i}.", f"model.layers.{i}."
-        yield dst + "input_layernorm.weight", weights.need(src + "input_layernorm.weight")
+        pieces.append(whole(dst + "input_layernorm.weight", src + "input_layernorm.weight"))
         for part in ("weight", "bias"):
-            fused = weights.get(src + f"self_attention.query_key_value.{part}")
-            if fused is None and part == "weight":
-                weights.need(src + "self_attention.query_key_value.weight")
-            if fused is not None:
-                for name, piece in zip(("q_proj", "k_proj", "v_proj"), fused.split([q, kv, kv], dim=0)):
-                    yield dst + f"self_attn.{name}.{part}", piece
-        yield dst + "self_attn.o_proj.weight", weights.need(src + "self_attention.dense.weight")
-        yield dst + "post_attention_layernorm.weight", weights.need(src + "post_attention_layernorm.weight")
-        yield dst + "mlp.gate_up_proj.weight", weights.need(src + "mlp.dense_h_to_4h.weight")
-        yield dst + "mlp.down_proj.weight", weights.need(src + "mlp.dense_4h_to_h.weight")
-    yield "model.norm.weight", weights.need("transformer.encoder.final_layernorm.weight")
-    yield "lm_head.weight", weights.need("transformer.output_layer.weight")
+            fused = src + f"self_attention.query_key_value.{part}"
+            if part == "bias" and not weights.has(fused):
+                continue
+            shape, dtype = weights.meta(fused)
+            if shape[0] != q + 2 * kv:
+                raise Refused(f"{fused} has {shape[0]} rows; the config's heads give {q + 2 * kv}")
+            for name, (start, stop) in zip(("q_proj", "k_proj", "v_proj"), ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+                pieces.append(Piece(dst + f"self_attn.{name}.{part}", fused, (stop - start,) + shape[1:], dtype,
+                                    start, stop))
+        pieces.append(whole(dst + "self_attn.o_proj.weight", src + "self_attention.dense.weight"))
+        pieces.append(whole(dst + "post_attention_layernorm.weight", src + "post_attention_layernorm.weight"))
+        pieces.append(whole(dst + "mlp.gate_up_proj.weight", src + "mlp.dense_h_to_4h.weight"))
+        pieces.append(whole(dst + "mlp.down_proj.weight", src + "mlp.dense_4h_to_h.weight"))
+    pieces.append(whole("model.norm.weight", "transformer.encoder.final_layernorm.weight"))
+    pieces.append(whole("lm_head.weight", "transformer.output_layer.weight"))
+    return pieces
 
 
-def write_shards(tensors, folder: Path, max_shard_bytes: int) -> tuple:
-    """Write the tensors into shards of at most max_shard_bytes (a larger tensor gets a shard of its own), each shard
-    written before the next is gathered; returns (file names, dtype of the embedding, total bytes)."""
-    from safetensors.torch import save_file
+def write_safetensors(path: Path, pieces: list, weights: SourceWeights) -> None:
+    """A safetensors file written tensor by tensor (the format: 8-byte little-endian header size, the JSON header
+    with each tensor's dtype, shape and byte range, the data): memory holds one source tensor, not the shard."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for piece in pieces:
+        header[piece.key] = {"dtype": SAFETENSORS_NAMES[piece.dtype], "shape": list(piece.shape),
+                             "data_offsets": [offset, offset + piece.nbytes]}
+        offset += piece.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    cached = (None, None)  # q, k and v come from one fused tensor: read it once
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        for piece in pieces:
+            if cached[0] != piece.source:
+                cached = (piece.source, weights.read(piece.source))
+            tensor = cached[1] if piece.stop is None else cached[1][piece.start:piece.stop]
+            handle.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        handle.flush()
+        os.fsync(handle.fileno())
 
-    shards, weight_map, current, current_bytes, total, dtype = [], {}, {}, 0, 0, None
 
-    def flush():
-        nonlocal current, current_bytes
-        if current:
-            name = f"shard-{len(shards):05d}.safetensors"
-            save_file(current, str(folder / name), metadata={"format": "pt"})
-            shards.append(name)
-            weight_map.update(dict.fromkeys(current, name))
-            current, current_bytes = {}, 0
-
-    for key, tensor in tensors:
-        dtype = dtype or tensor.dtype
-        size = tensor.numel() * tensor.element_size()
-        if current and current_bytes + size > max_shard_bytes:
-            flush()
-        current[key] = tensor.contiguous().clone()  # a copy: the source stays memory-mapped, read-only
-        current_bytes += size
-        total += size
-    flush()
-    names = {old: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, old in enumerate(shards)}
-    for old, new in names.items():
-        os.replace(folder / old, folder / new)
-    index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
+def write_shards(pieces: list, weights: SourceWeights, folder: Path, max_shard_bytes: int) -> tuple:
+    """Shards of at most max_shard_bytes (a larger tensor gets one of its own) and the index; returns (file names,
+    dtype of the embedding, total bytes)."""
+    groups, current, size = [], [], 0
+    for piece in pieces:
+        if current and size + piece.nbytes > max_shard_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(piece)
+        size += piece.nbytes
+    groups.append(current)
+    names, weight_map = [], {}
+    for number, group in enumerate(groups):
+        name = f"model-{number + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(folder / name, group, weights)
+        names.append(name)
+        weight_map.update(dict.fromkeys((piece.key for piece in group), name))
+    total = sum(piece.nbytes for piece in pieces)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return list(names.values()), dtype, total
+    return names, pieces[0].dtype, total
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -285,7 +331,7 @@ def write_tokenizer(source: Path, folder: Path, seq_length: int):
     except ValueError as error:  # a damaged or foreign tokenizer.model; the message names the file
         raise Refused(str(error)) from None
     sys.path.insert(0, str(REPO))
-    from tokenization_chatglm import ChatGLM4Tokenizer, ChatGLMTokenizer
+    from tokenization_chatglm import ChatGLM4Tokenizer, ChatGLMTokenizer, keep_glm4_tool_heading_newlines
 
     slow_class = ChatGLM4Tokenizer if family == "glm4" else ChatGLMTokenizer
     slow = slow_class(vocab_file=str(model_path))
@@ -293,9 +339,10 @@ def write_tokenizer(source: Path, folder: Path, seq_length: int):
     if (source / "tokenizer_config.json").is_file():
         source_settings = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
     if family == "glm4":
-        # GLM-4's own template (the checkpoint's, else this repository's copy of glm-4-9b-chat's).
-        template = source_settings.get("chat_template") or json.loads(
-            (REPO / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]
+        # GLM-4's own template (the checkpoint's, else this repository's copy of glm-4-9b-chat's), with the newline
+        # before each tool's heading that transformers' trim_blocks drops kept, as our tokenizer renders it.
+        template = keep_glm4_tool_heading_newlines(source_settings.get("chat_template") or json.loads(
+            (REPO / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"])
         special = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
     else:
         template = CHATGLM3_TEMPLATE
@@ -331,7 +378,10 @@ def export(source: Path, output: Path, max_shard_bytes: int) -> int:
         family, slow = write_tokenizer(folder, staging, sizes.seq_length)
         eos = eos_ids(config, family, slow)
         pad_id = config.get("pad_token_id", slow.pad_token_id)
-        shards, dtype, total = write_shards(native_tensors(SourceWeights(folder), sizes), staging, max_shard_bytes)
+        if pad_id is not None and not 0 <= pad_id < sizes.padded_vocab_size:
+            pad_id = None  # Glm's embedding takes the pad id as padding_idx, which must be a row of it
+        weights = SourceWeights(folder)
+        shards, dtype, total = write_shards(native_pieces(weights, sizes), weights, staging, max_shard_bytes)
         write_config(staging, sizes, dtype, eos, pad_id)
         write_generation_config(folder, staging, eos, pad_id)
         os.rename(staging, output)  # the whole export appears at once
