@@ -218,3 +218,30 @@ def test_trl_sft_trainer_with_lora_trains_with_gradient_checkpointing(checkpoint
     assert len(calls) == 2 * len(EXAMPLES)  # checkpointed: every step's block runs again in the backward pass
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed and all("lora_" in n for n in changed)
+
+
+def test_chatglm3_ptuning_v2_recipe_trains_the_prefix_alone(checkpoints, tmp_path):
+    """ChatGLM3's P-tuning v2 fine-tuning as its demo writes it: pre_seq_len through AutoConfig, the model loaded with
+    that config, gradient_checkpointing_enable() + enable_input_require_grads(), Seq2SeqTrainer."""
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    folder = str(checkpoints["chatglm3"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True, pre_seq_len=8,
+                                                     prefix_projection=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config, trust_remote_code=True)
+    model.gradient_checkpointing_enable()
+    model.enable_input_require_grads()
+    calls = []
+    model.transformer.encoder.layers[0].self_attention.register_forward_pre_hook(lambda *_: calls.append(1))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                                    logging_steps=1, learning_rate=1e-2, save_strategy="no", report_to=[],
+                                    use_cpu=True, seed=0)
+    trainer = Seq2SeqTrainer(model=model, args=args,
+                             train_dataset=[process_func(tokenizer, "chatglm3", e) for e in EXAMPLES],
+                             data_collator=DataCollatorForSeq2Seq(tokenizer=tokenizer, padding=True))
+    trainer.train()
+    assert len(logged_losses(trainer)) == 2 and len(calls) == 2 * 2  # two steps, each recomputed
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed == {"transformer.prefix_encoder.embedding.weight"}
