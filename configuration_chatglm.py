@@ -12,12 +12,31 @@ import math
 
 from transformers import PretrainedConfig
 
-try:  # transformers >= 4.48 checks attn_implementation against its kernel registry itself
+try:  # transformers >= 4.48: the attention kernels registered by name
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as _ATTENTION_REGISTRY
 except ImportError:
     _ATTENTION_REGISTRY = None
-# Before the registry, transformers dropped the config.json value silently (the model ran sdpa, whatever it said).
+# transformers 4.44 dropped an unknown config.json value silently (the model ran sdpa, whatever it said), and 4.49
+# kept it until the first forward: the value is checked when the config is read, against these and the registry.
 KERNELS_WITHOUT_REGISTRY = ("eager", "sdpa", "flash_attention_2")
+
+
+def known_attention_kernels() -> tuple:
+    """The kernel names config.json may give: transformers' own and those registered so far (read now, so that a
+    kernel a user registers before loading counts)."""
+    if _ATTENTION_REGISTRY is None:
+        return KERNELS_WITHOUT_REGISTRY
+    keys = getattr(_ATTENTION_REGISTRY, "valid_keys", None)
+    registered = keys() if callable(keys) else _ATTENTION_REGISTRY.keys()
+    return KERNELS_WITHOUT_REGISTRY + ("flash_attention_3", "flex_attention") + tuple(registered)
+
+
+def is_known_attention_kernel(name) -> bool:
+    if not isinstance(name, str):
+        return False
+    if "|" in name or "/" in name:  # transformers' own syntax ("paged|sdpa", hub kernels "org/name"): it checks them
+        return True
+    return name in known_attention_kernels()
 
 
 # Fields that only the first-generation ChatGLM-6B config has: its weights have other names and shapes, and loading
@@ -207,8 +226,8 @@ class ChatGLMConfig(PretrainedConfig):
         (tens of GB in fp32) with none of the checkpoint's weights fitting."""
         reject_other_families(config_dict)
         implementation = config_dict.get("attn_implementation")
-        if _ATTENTION_REGISTRY is None and implementation is not None and implementation not in KERNELS_WITHOUT_REGISTRY:
-            raise ValueError(f"config.json: attn_implementation must be one of {', '.join(KERNELS_WITHOUT_REGISTRY)} "
+        if implementation is not None and not is_known_attention_kernel(implementation):
+            raise ValueError(f"config.json: attn_implementation must be one of {', '.join(known_attention_kernels())} "
                              f"with this transformers release, got {implementation!r}. Fix or remove the field.")
         missing = [name for name in SIZE_FIELDS if name not in config_dict and name not in kwargs]
         if missing:
