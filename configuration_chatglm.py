@@ -17,7 +17,7 @@ try:  # transformers >= 4.48: the attention kernels registered by name
 except ImportError:
     _ATTENTION_REGISTRY = None
 # transformers 4.44 dropped an unknown config.json value silently (the model ran sdpa, whatever it said), and 4.49
-# kept it until the first forward: the value is checked when the config is read, against these and the registry.
+# accepted it too: the value is checked when the config is read, against these and the registry.
 KERNELS_WITHOUT_REGISTRY = ("eager", "sdpa", "flash_attention_2")
 
 

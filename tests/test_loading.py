@@ -475,7 +475,7 @@ def test_device_map_naming_a_device_this_machine_lacks_is_refused_before_loading
 
 
 def test_config_json_attn_implementation_that_does_not_exist_is_refused(golden, tmp_path):
-    """transformers 4.44 dropped the value silently and ran sdpa; 4.49 kept it until the first forward."""
+    """transformers 4.44 dropped the value silently and ran sdpa; 4.49 accepted it too."""
     folder = tmp_path / "bogus_attention"
     shutil.copytree(golden.folder, folder)
     config = json.loads((folder / "config.json").read_text())
