@@ -8,7 +8,35 @@ GLM-4V (glm-4v-9b) configs add `vision_config` (the EVA2-CLIP tower's sizes, wit
 `scaling_factor`), `boi_token_id` and `eoi_token_id`; they are kept as given and written back on save.
 """
 
+import math
+
 from transformers import PretrainedConfig
+
+try:  # transformers >= 4.48: the attention kernels registered by name
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as _ATTENTION_REGISTRY
+except ImportError:
+    _ATTENTION_REGISTRY = None
+# transformers 4.44 dropped an unknown config.json value silently (the model ran sdpa, whatever it said), and 4.49
+# accepted it too: the value is checked when the config is read, against these and the registry.
+KERNELS_WITHOUT_REGISTRY = ("eager", "sdpa", "flash_attention_2")
+
+
+def known_attention_kernels() -> tuple:
+    """The kernel names config.json may give: transformers' own and those registered so far (read now, so that a
+    kernel a user registers before loading counts)."""
+    if _ATTENTION_REGISTRY is None:
+        return KERNELS_WITHOUT_REGISTRY
+    keys = getattr(_ATTENTION_REGISTRY, "valid_keys", None)
+    registered = keys() if callable(keys) else _ATTENTION_REGISTRY.keys()
+    return KERNELS_WITHOUT_REGISTRY + ("flash_attention_3", "flex_attention") + tuple(registered)
+
+
+def is_known_attention_kernel(name) -> bool:
+    if not isinstance(name, str):
+        return False
+    if "|" in name or "/" in name:  # transformers' own syntax ("paged|sdpa", hub kernels "org/name"): it checks them
+        return True
+    return name in known_attention_kernels()
 
 
 # Fields that only the first-generation ChatGLM-6B config has: its weights have other names and shapes, and loading
@@ -61,7 +89,8 @@ def reject_rope_fields(fields: dict, rope_ratio):
 
 
 def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (JSON's Infinity and NaN are read as floats)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_positive_int(value) -> bool:
@@ -81,8 +110,8 @@ FIELD_RULES = {
     "hidden_dropout": (lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     "attention_dropout": (lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     "classifier_dropout": (lambda v: v is None or (is_number(v) and 0 <= v < 1), "null or a number in [0, 1)"),
-    "layernorm_epsilon": (lambda v: is_number(v) and v > 0, "a positive number"),
-    "rope_ratio": (lambda v: is_number(v) and v > 0, "a positive number"),
+    "layernorm_epsilon": (lambda v: is_number(v) and v > 0, "a finite positive number"),
+    "rope_ratio": (lambda v: is_number(v) and v > 0, "a finite positive number"),
     "quantization_bit": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                          "0 or a number of bits"),
     "pre_seq_len": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
@@ -129,8 +158,9 @@ class ChatGLMConfig(PretrainedConfig):
     ):
         reject_other_families(kwargs)
         reject_rope_fields(kwargs, rope_ratio)
-        num_hidden_layers = kwargs.pop("num_hidden_layers", None)  # checked with the other fields below
-        kwargs.pop("vocab_size", None)  # always equal to padded_vocab_size (see attribute_map)
+        # Aliases (attribute_map): checked to agree with their field below.
+        aliases = {"num_hidden_layers": ("num_layers", kwargs.pop("num_hidden_layers", None)),
+                   "vocab_size": ("padded_vocab_size", kwargs.pop("vocab_size", None))}
         kwargs.setdefault("tie_word_embeddings", False)  # the output layer is its own weight in every checkpoint
 
         self.num_layers = num_layers
@@ -163,12 +193,18 @@ class ChatGLMConfig(PretrainedConfig):
         self.use_cache = use_cache
         super().__init__(**kwargs)
         self.validate_chatglm()
-        # GLM-4 configs carry both names; a disagreement would silently build the wrong depth.
-        if num_hidden_layers is not None and num_hidden_layers != num_layers:
-            raise ValueError(
-                f"config.json says num_layers={num_layers} but num_hidden_layers={num_hidden_layers}; "
-                "they name the same thing: make them equal."
-            )
+        # GLM-4 configs carry num_hidden_layers too; a disagreement would silently build the wrong size.
+        for alias, (field, value) in aliases.items():
+            if value is None:
+                continue
+            if not is_positive_int(value):
+                quoted = " (a string: write the value without quotes in config.json)" if isinstance(value, str) else ""
+                raise ValueError(f"ChatGLMConfig.{alias} must be a positive integer, got {value!r}{quoted}.")
+            if value != getattr(self, field):
+                raise ValueError(
+                    f"config.json says {field}={getattr(self, field)} but {alias}={value}; they name the same "
+                    f"thing: make them equal (or remove {alias})."
+                )
 
     if not hasattr(PretrainedConfig, "get_text_config"):  # transformers 4.44: PEFT 0.21 asks for it (or crashes)
 
@@ -189,6 +225,10 @@ class ChatGLMConfig(PretrainedConfig):
         """A checkpoint's config.json must give its sizes: without them the model would silently be the 6B default
         (tens of GB in fp32) with none of the checkpoint's weights fitting."""
         reject_other_families(config_dict)
+        implementation = config_dict.get("attn_implementation")
+        if implementation is not None and not is_known_attention_kernel(implementation):
+            raise ValueError(f"config.json: attn_implementation must be one of {', '.join(known_attention_kernels())} "
+                             f"with this transformers release, got {implementation!r}. Fix or remove the field.")
         missing = [name for name in SIZE_FIELDS if name not in config_dict and name not in kwargs]
         if missing:
             raise ValueError(

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Iterable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +123,10 @@ except ImportError:
 
 # 4.56 added DynamicCache(config=...), and 5.0 builds its layers from the config.
 _DYNAMIC_CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
+# 5.x's Trainer calls activation_checkpointing_enable(activation_checkpointing_kwargs, every_n_layers, offload), with
+# gradient_checkpointing_enable() a deprecated alias of it; earlier releases have gradient_checkpointing_enable only.
+# The model overrides whichever is the entry point, so the Trainer never reaches the alias (and its warning).
+_HAS_ACTIVATION_CHECKPOINTING = hasattr(PreTrainedModel, "activation_checkpointing_enable")
 # 4.44 and 4.45 have no generic GenerationMixin.prepare_inputs_for_generation (the 4.44 one only raises).
 _HAS_GENERIC_PREPARE_INPUTS = "past_key_values" in inspect.signature(
     GenerationMixin.prepare_inputs_for_generation
@@ -530,6 +534,10 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
     """An explicit device map for `devices` (e.g. ["cuda:0", "cuda:1"]): embedding and rotary table on the first,
     final norm and output layer on the last, the blocks in contiguous runs that balance the parameter count.
     The successor of ChatGLM3's `load_model_on_gpus`, whose maps missed modules."""
+    if isinstance(devices, (str, bytes, int, torch.device)) or not isinstance(devices, Iterable):
+        # A string is iterable: "cuda:0" mapped the layers to 'c', 'u', 'd', ...
+        raise TypeError(f"balanced_device_map: devices must be a list of devices, e.g. [{devices!r}], got "
+                        f"{type(devices).__name__} {devices!r}.")
     devices = list(devices)
     if not devices:
         raise ValueError("balanced_device_map needs at least one device")
@@ -550,6 +558,46 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
         device_map["transformer.prefix_encoder"] = device_map["transformer.embedding"]
     device_map["transformer.encoder.final_layernorm"] = device_map["transformer.output_layer"]
     return device_map
+
+
+def check_devices_exist(device_map: dict):
+    """Every device a device map names exists on this machine (transformers < 4.46 found out only after reading the
+    weights). "cpu", "disk" and "meta" always do; an int is an index on the accelerator."""
+    for entry, device in device_map.items():
+        if isinstance(device, str) and device in ("cpu", "disk", "meta"):
+            continue
+        where = f"device_map[{entry!r}] = {device!r}"
+        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+            raise ValueError(f"{where} is not a device: use a device string such as 'cuda:0', an index, or 'cpu'.")
+        try:
+            device = torch.device(device) if not isinstance(device, int) else device
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise ValueError(f"{where} is not a device ({err}): use e.g. 'cuda:0', 0 or 'cpu'.") from None
+        if isinstance(device, int):
+            accelerator = getattr(torch, "accelerator", None)
+            available = accelerator.device_count() if accelerator is not None else torch.cuda.device_count()
+            index, kind = device, "accelerator"
+        elif device.type in ("cpu", "meta"):
+            continue
+        else:
+            backend = getattr(torch, device.type, None)
+            count = getattr(backend, "device_count", None)
+            available = count() if callable(count) else None
+            index, kind = device.index or 0, device.type
+        if available is not None and not 0 <= index < available:
+            have = f"indices 0 to {available - 1}" if available else "none"
+            raise ValueError(f"{where}: no such device; this machine's {kind} devices: {have}. Use one of those "
+                             "or 'cpu'.")
+
+
+def check_one_float_width(model: nn.Module):
+    """transformers 4.44 with dtype "auto" and no torch_dtype in config.json took the first weight's dtype for some
+    layers and float32 for others: a float64 weight loaded, and the forward failed on mixed dtypes."""
+    wide = [name for name, param in model.named_parameters() if param.dtype == torch.float64]
+    if wide and len(wide) < sum(1 for param in model.parameters() if param.is_floating_point()):
+        raise ValueError(f"{len(wide)} weights loaded as float64 ({', '.join(wide[:3])}{', ...' if len(wide) > 3 else ''})"
+                         " and the others in another dtype: the checkpoint stores float64 tensors. Pass "
+                         "torch_dtype=torch.bfloat16 (or float32) to from_pretrained (`dtype=` on transformers >= 4.56).")
 
 
 def check_loaded_weights(model: nn.Module, loading_info: dict, source):
@@ -1322,27 +1370,50 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             )
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict):
+            check_devices_exist(device_map)
             with torch.device("meta"):
                 check_device_map(cls(cls._config_for(pretrained_model_name_or_path, kwargs)), device_map)
-        if os.path.isdir(os.fspath(pretrained_model_name_or_path)):  # P-tuning v2: a prefix that does not fit fails
+        if pretrained_model_name_or_path is not None and os.path.isdir(os.fspath(pretrained_model_name_or_path)):
+            # P-tuning v2: a prefix that does not fit fails
             config = prefix_config(cls._config_for(pretrained_model_name_or_path, kwargs), kwargs)
             check_prefix_checkpoint(pretrained_model_name_or_path, config)
         with_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
                                               **kwargs)
         check_loaded_weights(model, info, pretrained_model_name_or_path)
+        check_one_float_width(model)
         train_prefix_only(model.base_model)  # P-tuning v2: 5.x loads weights as new, trainable Parameters
         report_prefix_weights(model, info)
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.own_loaded_buffer()
+        if _TIED_KEYS_ARE_A_MAPPING and getattr(model.config, "tie_word_embeddings", False):
+            # 5.x leaves a checkpoint's two stored matrices untied (with a warning) even when the config asks for
+            # tying; 4.x ties them, the input embedding winning. from_pretrained(..., tie_word_embeddings=True) ties.
+            model.tie_weights()
         return (model, info) if with_info else model
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        """transformers' gradient checkpointing; non-reentrant with a P-tuning v2 prefix (prefix_checkpointing_kwargs)."""
+    def checkpoint_function_kwargs(self, kwargs: Optional[dict]) -> Optional[dict]:
+        """The keyword arguments for torch.utils.checkpoint: non-reentrant with a P-tuning v2 prefix
+        (prefix_checkpointing_kwargs), else as given."""
         if getattr(self.base_model, "prefix_encoder", None) is not None:
-            gradient_checkpointing_kwargs = prefix_checkpointing_kwargs(gradient_checkpointing_kwargs)
-        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+            return prefix_checkpointing_kwargs(kwargs)
+        return kwargs
+
+    if _HAS_ACTIVATION_CHECKPOINTING:
+
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs):
+            """transformers' activation checkpointing (the Trainer calls it with every_n_layers and offload;
+            gradient_checkpointing_enable() is transformers' alias of it here)."""
+            super().activation_checkpointing_enable(self.checkpoint_function_kwargs(activation_checkpointing_kwargs),
+                                                    *args, **kwargs)
+
+    else:
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, *args, **kwargs):
+            """transformers' gradient checkpointing."""
+            super().gradient_checkpointing_enable(self.checkpoint_function_kwargs(gradient_checkpointing_kwargs),
+                                                  *args, **kwargs)
 
     def load_prefix_encoder(self, path) -> str:
         """Load a P-tuning v2 prefix saved apart from the base model (a file or a folder: the ChatGLM2/3 ptuning
@@ -1425,6 +1496,22 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
         )
 
 
+def check_attention_mask_values(attention_mask):
+    """A 2-D mask holds 1 (token) and 0 (padding), with a token in every row: a 2 was attended like a 1, and a row
+    of zeros attended to nothing, both giving logits without meaning and no error."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return
+    ones = attention_mask == 1
+    valid = ones | (attention_mask == 0)
+    if not bool(valid.all()):
+        raise ValueError(f"attention_mask must hold only 1 (token) and 0 (padding); it holds "
+                         f"{attention_mask[~valid][0].item()!r}. Pass the tokenizer's attention_mask, or a bool mask.")
+    empty = ~ones.any(-1)
+    if bool(empty.any()):
+        raise ValueError(f"attention_mask row {int(empty.nonzero()[0, 0])} is all 0: every sequence needs at least "
+                         "one token to attend. Drop empty sequences from the batch.")
+
+
 def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values):
     """Shapes and dtypes of the base model's inputs, each error naming the argument and the shape it must have. Reads
     shapes only (no host sync); token id values are checked separately (check_token_ids)."""
@@ -1491,6 +1578,11 @@ def cached_length(past_key_values, model, batch: int):
     if past_key_values is None:
         return 0
     if isinstance(past_key_values, Cache):
+        layers = len(model.encoder.layers)
+        filled = len(past_key_values) if isinstance(past_key_values, DynamicCache) else layers
+        if 0 < filled < layers:  # a cache of another model (transformers < 4.47 took it, and failed in attention)
+            raise ValueError(f"past_key_values holds {filled} layers; this model has {layers} (num_layers). Pass the "
+                             "cache this model returned, or a new DynamicCache().")
         length = past_key_values.get_seq_length()
         if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_compiling():
             return int(length)
@@ -1599,10 +1691,14 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             past_key_values = new_dynamic_cache(self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
 
+        # Values are checked where it costs no device sync per decode step: tensors on the CPU, or the prompt.
+        values_checked = not is_compiling() and (
+            (input_ids if input_ids is not None else inputs_embeds).device.type == "cpu"
+            or (isinstance(past_length, int) and past_length == 0))
+        if values_checked:
+            check_attention_mask_values(attention_mask)
         if inputs_embeds is None:
-            # Checked where it costs no device sync per decode step: ids on the CPU, or the prompt.
-            if (input_ids.device.type == "cpu" or (isinstance(past_length, int) and past_length == 0)) \
-                    and not is_compiling():
+            if values_checked:
                 check_token_ids(input_ids, self.config.padded_vocab_size)
             inputs_embeds = self.embedding(input_ids)
         if self.vision is not None:  # the one seam of GLM-4V: image rows in, token-layout mask and positions to rows
@@ -2099,11 +2195,17 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             shift_labels=device_boundary(shift_labels, logits.device),
         )
 
-    def generate(self, inputs=None, **kwargs):
+    def generate(self, inputs=None, *args, **kwargs):
         """transformers' generate(), with its bookkeeping (prompt, mask, the tokens it appends) on the logits' device:
         new tokens are picked there, and logits processors read the ids beside the scores. Each forward moves the
         step's inputs to the embedding's device. Without this, a prompt left on the CPU warns and runs slowly before
         5.x, and a model split over devices fails there unless accelerate's hooks move the logits back."""
+        if args:  # generate(ids, generation_config, logits_processor, ...): named as transformers' generate names them
+            names = [parameter.name for parameter in inspect.signature(GenerationMixin.generate).parameters.values()
+                     if parameter.kind is parameter.POSITIONAL_OR_KEYWORD][2:]  # after self, inputs
+            if len(args) > len(names):
+                raise TypeError(f"generate() takes at most {len(names)} positional arguments after inputs")
+            kwargs.update(zip(names, args))
         device = execution_device(self.transformer.output_layer)
         if isinstance(inputs, torch.Tensor):
             inputs = device_boundary(inputs, device)
@@ -2111,6 +2213,8 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = device_boundary(kwargs[name], device)
         kwargs = reserve_static_cache_room(self, inputs, kwargs)  # P-tuning v2: room for the prefix
+        warn_beyond_seq_length(self.config, kwargs.get("max_new_tokens"),
+                               kwargs.get("generation_config") or self.generation_config)
         return super().generate(inputs, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
@@ -2131,6 +2235,18 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             # its own from the 2-D one.
             model_inputs["attention_mask"] = attention_mask
         return model_inputs
+
+
+def warn_beyond_seq_length(config, max_new_tokens, generation_config):
+    """Generating more tokens than the model's context (seq_length) runs, with output that degrades past it."""
+    if max_new_tokens is None:
+        max_new_tokens = getattr(generation_config, "max_new_tokens", None)
+    seq_length = getattr(config, "seq_length", None)
+    if isinstance(max_new_tokens, int) and isinstance(seq_length, int) and max_new_tokens > seq_length:
+        logger.warning_once(
+            f"max_new_tokens={max_new_tokens} is beyond this model's seq_length={seq_length} (config.json), the "
+            "longest context it was trained for: text generated past it degrades. Lower max_new_tokens."
+        )
 
 
 def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, position_ids, inputs_embeds,

@@ -10,9 +10,10 @@ Token ids are the originals' wherever the originals were right. What differs, on
 * Special-token text is parsed into control tokens, as the originals and every transformers tokenizer do:
   `tok("[gMASK]<sop><|user|>\\nhi<|assistant|>", add_special_tokens=False)` gives the control ids, so the output of
   `apply_chat_template(..., tokenize=False)` encodes to the ids of `apply_chat_template(..., tokenize=True)` (the
-  path of vLLM, SGLang, TRL and hand-built fine-tuning prompts). GLM-4 parses its 14 special tokens; ChatGLM3 its 9
-  control tokens, "sop"/"eop" only as whole words (the original split "isopropyl" around "sop"). For untrusted raw
-  text pass `split_special_tokens=True` (per call, or to `from_pretrained` for the tokenizer): such text is then
+  path of vLLM, SGLang, TRL and hand-built fine-tuning prompts). GLM-4 parses its 14 special tokens; ChatGLM3 the
+  original's: "[gMASK]", "sop" (only as a whole word: the original split "isopropyl" around "sop") and the four role
+  tokens (the original parsed only "<|user|>" and "<|assistant|>"); "[MASK]", "[sMASK]" and "eop" stay text.
+  For untrusted raw text pass `split_special_tokens=True` (per call, or to `from_pretrained` for the tokenizer): such text is then
   encoded as the characters it holds. Tokens added with `add_tokens` (not special) are always matched.
 * `apply_chat_template(..., tokenize=True)` keeps every string of the conversation as text: contents, role names,
   dict keys, tools, metadata, documents and extra template variables never produce a control token, not even
@@ -79,6 +80,16 @@ def _import_sentencepiece():
     except ImportError as err:
         raise ImportError("ChatGLMTokenizer needs the `sentencepiece` package: pip install sentencepiece") from err
     return sentencepiece
+
+
+def _import_pillow():
+    # Only GLM-4V's images need Pillow; inside `try` so that the remote-code import check does not ask every text
+    # checkpoint for it (transformers 5.x reads the imports of the whole file).
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise ImportError("GLM-4V images need the `Pillow` package: pip install pillow") from err
+    return Image
 
 
 # ======================================================================================================================
@@ -192,6 +203,21 @@ def _is_token_id(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _checked_token_ids(token_ids) -> List[int]:
+    """decode()'s ids as ints: an id, or a sequence of ids (transformers has turned tensors and arrays into lists).
+    Floats and strings are refused: int() would truncate 3.7 silently or fail with "invalid literal"."""
+    if isinstance(token_ids, numbers.Integral):
+        return [int(token_ids)]
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+        raise TypeError(f"decode: token_ids must be an int or a list of int, got {type(token_ids).__name__}")
+    token_ids = list(token_ids)
+    for position, index in enumerate(token_ids):
+        if not isinstance(index, numbers.Integral):
+            raise TypeError(f"decode: token_ids must hold ints; token_ids[{position}] is {index!r:.40} "
+                            f"({type(index).__name__})")
+    return [int(index) for index in token_ids]
+
+
 def _check_text_input(value, name: str) -> None:
     """Accept what transformers accepts as text: a str, a list of str (batch or words), a list of token ids, or a
     list of those lists. Anything else (None aside) is a TypeError rather than a confusing failure later."""
@@ -274,6 +300,17 @@ class _ChatTextGuard:
         return self._placeholder.sub(lambda m: self._table[int(m.group(1))], text)
 
 
+def _check_messages(messages, name: str, allow_empty: bool) -> None:
+    """Each message a dict with a str 'role': a template writes a missing role as "<||>" (no error of its own)."""
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"{name} must be a list of message dicts, got {type(messages).__name__}")
+    if not messages and not allow_empty:
+        raise ValueError(f"{name} is empty: a chat template needs at least one message")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"{name}[{index}] must be a dict with a str 'role' (and 'content'), got {message!r:.100}")
+
+
 def _clean_up_tokenization(text: str) -> str:
     """transformers' optional `clean_up_tokenization_spaces` rewrite (off in the GLM configs)."""
     for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
@@ -298,7 +335,279 @@ def _read_vocab_file(vocab_file, tokenizer_name: str, expected: str) -> str:
 # ======================================================================================================================
 
 
-class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
+class _SpecialTokenParsing:
+    """Special-token parsing: which texts are control tokens, splitting text around them, tokenize() and ids.
+
+    Reads from the tokenizer: CONTROL_TOKENS, PARSED_CONTROL_TOKENS, WHOLE_WORD_CONTROL_TOKENS, `_reserved_ids`,
+    `_token_to_id`, the model's `_tokenize` / `_encode_text` (plain text) and transformers' added-token tables."""
+
+    def _special_texts(self) -> List[str]:
+        """Texts parsed only on request: the control tokens and any special token a user added."""
+        reserved = self._reserved_ids()
+        user_specials = [
+            token.content for index, token in self._added_tokens_decoder.items()
+            if token.special and index not in reserved
+        ]
+        parsed = self.CONTROL_TOKENS if self.PARSED_CONTROL_TOKENS is None else self.PARSED_CONTROL_TOKENS
+        return list(parsed) + user_specials
+
+    def _user_vocabulary_texts(self) -> List[str]:
+        """Non-special tokens added with `add_tokens`: always matched, as in transformers."""
+        reserved = self._reserved_ids()
+        return [
+            token.content for index, token in self._added_tokens_decoder.items()
+            if not token.special and index not in reserved
+        ]
+
+    def _split_pattern(self, parse_special: bool) -> Optional["re.Pattern"]:
+        always = tuple(self._user_vocabulary_texts())
+        specials = tuple(self._special_texts()) if parse_special else ()
+        key = (always, specials)
+        if key not in self._split_patterns:
+            self._split_patterns[key] = _alternation(always + specials, self.WHOLE_WORD_CONTROL_TOKENS)
+        return self._split_patterns[key]
+
+    def _segments(self, text: str, parse_special: bool) -> Iterable[Tuple[str, bool]]:
+        """Split `text` into (piece, is_token) pairs: whole added/control tokens and the plain text between them."""
+        pattern = self._split_pattern(parse_special)
+        if pattern is None:
+            return [(text, False)] if text else []
+        pieces = pattern.split(text)
+        # re.split with one capturing group alternates text, token, text, ...
+        return [(piece, index % 2 == 1) for index, piece in enumerate(pieces) if piece]
+
+    def _parse_special_requested(self, kwargs: dict) -> bool:
+        split = kwargs.pop("split_special_tokens", None)
+        forwarded = kwargs.pop(_SPLIT_FLAG_KWARG, None)
+        if split is None:
+            split = forwarded
+        if split is None:
+            split = self.split_special_tokens
+        return not split
+
+    def tokenize(self, text, **kwargs) -> list:
+        """Tokens of `text`, control tokens parsed unless `split_special_tokens=True` (see the module doc).
+
+        Tokens added with `add_tokens` match exactly where they occur (their lstrip/rstrip/single_word flags are not
+        applied). Other keyword arguments are accepted and ignored, as transformers passes its own through here.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"{type(self).__name__}.tokenize expects a str, got {type(text).__name__}")
+        tokens = []
+        for piece, is_token in self._segments(text, self._parse_special_requested(kwargs)):
+            if is_token:
+                tokens.append(piece)
+            else:
+                tokens.extend(self._tokenize(piece))
+        return tokens
+
+    def _encode_segments(self, text: str, parse_special: bool,
+                         restore: Optional[Callable[[str], str]] = None) -> List[int]:
+        """Text to ids without building tokens; `restore` rewrites the plain-text pieces first (chat templates)."""
+        ids: List[int] = []
+        for piece, is_token in self._segments(text, parse_special):
+            if is_token:
+                ids.append(self._token_to_id(piece))
+            elif restore is not None:
+                ids.extend(self._encode_segments(restore(piece), parse_special=False))
+            else:
+                ids.extend(self._encode_text(piece))
+        return ids
+
+
+class _SequenceLayout:
+    """Batching: the `[gMASK] <sop>` prefix and pair layout, and padding on either side with `position_ids`."""
+
+    def build_inputs_with_special_tokens(self, token_ids_0: List[int], token_ids_1: Optional[List[int]] = None):
+        ids = self.get_prefix_tokens() + list(token_ids_0)
+        if token_ids_1 is not None:
+            ids += list(token_ids_1) + [self.eos_token_id]
+        return ids
+
+    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False):
+        if already_has_special_tokens:
+            if token_ids_1 is not None:
+                raise ValueError("token_ids_1 must be None when the ids already contain special tokens")
+            special = set(self.all_special_ids) | set(self._control_by_id)
+            return [1 if index in special else 0 for index in token_ids_0]
+        mask = [1] * len(self.PREFIX_TOKENS) + [0] * len(token_ids_0)
+        if token_ids_1 is not None:
+            mask += [0] * len(token_ids_1) + [1]
+        return mask
+
+    def create_token_type_ids_from_sequences(self, token_ids_0, token_ids_1=None):
+        # GLM models have no token types.
+        return [0] * len(self.build_inputs_with_special_tokens(token_ids_0, token_ids_1))
+
+
+    def _pad(self, encoded_inputs, max_length=None, padding_strategy=PaddingStrategy.DO_NOT_PAD,
+             pad_to_multiple_of=None, padding_side=None, return_attention_mask=None) -> dict:
+        side = padding_side if padding_side is not None else self.padding_side
+        _check_padding_side(side)
+        if return_attention_mask is None:
+            return_attention_mask = "attention_mask" in self.model_input_names
+        length = len(encoded_inputs[self.model_input_names[0]])
+
+        if padding_strategy == PaddingStrategy.LONGEST:
+            max_length = length
+        if max_length is not None and pad_to_multiple_of is not None and max_length % pad_to_multiple_of:
+            max_length = (max_length // pad_to_multiple_of + 1) * pad_to_multiple_of
+
+        # position_ids come with the attention mask: both describe where the real tokens are.
+        if return_attention_mask:
+            encoded_inputs.setdefault("attention_mask", [1] * length)
+            encoded_inputs.setdefault("position_ids", list(range(length)))
+
+        missing = (max_length - length) if padding_strategy != PaddingStrategy.DO_NOT_PAD and max_length else 0
+        if missing > 0:
+            fill = {
+                self.model_input_names[0]: self.pad_token_id,
+                "attention_mask": 0,
+                "position_ids": 0,
+                "token_type_ids": self.pad_token_type_id,
+                "special_tokens_mask": 1,
+            }
+            for key, value in fill.items():
+                if key in encoded_inputs:
+                    padding = [value] * missing
+                    row = list(encoded_inputs[key])
+                    encoded_inputs[key] = padding + row if side == "left" else row + padding
+        return encoded_inputs
+
+
+class _Decoding:
+    """decode(): byte-exact, control tokens as their text (or skipped), each run of model ids by `_decode_run`."""
+
+    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None,
+                spaces_between_special_tokens=None, **kwargs) -> str:
+        # `spaces_between_special_tokens` is accepted for compatibility and ignored: decode never adds text.
+        token_ids = _checked_token_ids(token_ids)
+        skipped = (set(self.all_special_ids) | set(self._control_by_id)) if skip_special_tokens else set()
+        added = self._added_tokens_decoder
+        reserved = self._reserved_ids()
+        parts: List[str] = []
+        run: List[int] = []
+        for index in token_ids:
+            token_text = self._control_by_id.get(index)
+            if token_text is None and index in added and index not in reserved:
+                token_text = added[index].content
+            if token_text is None:
+                if index not in skipped:
+                    run.append(index)
+                continue
+            if run and (index not in skipped or self.SKIPPED_TOKEN_ENDS_RUN):
+                parts.append(self._decode_run(run))
+                run = []
+            if index not in skipped:
+                parts.append(token_text)
+        if run:
+            parts.append(self._decode_run(run))
+        text = self._join_decoded(parts)
+        cleanup = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None \
+            else clean_up_tokenization_spaces
+        return _clean_up_tokenization(text) if cleanup else text
+
+    def _join_decoded(self, parts: List) -> str:
+        return "".join(parts)
+
+
+class _ChatRendering:
+    """apply_chat_template: the family's built-in format or the Jinja template, with conversation strings kept
+    as text (_ChatTextGuard) when tokenized; the one place for a chat-template fix."""
+
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
+                            add_generation_prompt=False, tokenize=True, padding=False, truncation=False,
+                            max_length=None, return_tensors=None, return_dict=False,
+                            return_assistant_tokens_mask=False, tokenizer_kwargs=None, **kwargs):
+        """Render a conversation with the chat template; with `tokenize=True` encode it safely (see module doc).
+
+        Returns the rendered text (`tokenize=False`), else the ids as a list (or a tensor with `return_tensors`),
+        or a `BatchEncoding` with `return_dict=True` -- the same on every transformers version.
+        """
+        if return_assistant_tokens_mask:
+            raise ValueError("return_assistant_tokens_mask needs {% generation %} blocks, which GLM templates lack")
+        for option in _CHAT_OPTIONS_ALWAYS_ON:
+            kwargs.pop(option, None)
+        conversations, batched = self._as_conversations(conversation)
+        builtin = self._uses_builtin_chat_format(chat_template)
+        for index, conv in enumerate(conversations):
+            # ChatGLM3's built-in format renders an empty chat as its prefix; a template needs a message
+            # (transformers < 4.47 failed with a bare IndexError).
+            _check_messages(conv, f"conversation[{index}]" if batched else "conversation", allow_empty=builtin)
+        if not tokenize:
+            rendered = [
+                self._builtin_chat_text(conv, add_generation_prompt) if builtin
+                else self._render_chat(conv, tools, documents, chat_template, add_generation_prompt, kwargs)
+                for conv in conversations
+            ]
+            return rendered if batched else rendered[0]
+        all_ids = [
+            self._builtin_chat_ids(conv, add_generation_prompt) if builtin
+            else self._chat_ids_from_template(conv, tools, documents, chat_template, add_generation_prompt, kwargs)
+            for conv in conversations
+        ]
+        return self._package_chat_ids(all_ids, batched, padding, truncation, max_length, return_tensors,
+                                      return_dict, tokenizer_kwargs or {})
+
+    @staticmethod
+    def _as_conversations(conversation) -> Tuple[list, bool]:
+        first = conversation[0] if isinstance(conversation, (list, tuple)) and conversation else None
+        if isinstance(first, (list, tuple)) or hasattr(first, "messages"):
+            return [getattr(conv, "messages", conv) for conv in conversation], True
+        return [getattr(conversation, "messages", conversation)], False
+
+    def _resolve_chat_template(self, chat_template: Optional[str], tools) -> str:
+        return self.get_chat_template(chat_template, tools)
+
+    def _render_chat(self, conversation, tools, documents, chat_template, add_generation_prompt, kwargs) -> str:
+        template = self._resolve_chat_template(chat_template, tools)
+        return super().apply_chat_template(
+            conversation, tools=tools, documents=documents, chat_template=template,
+            add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs,
+        )
+
+    # A tokenizer whose chat format no Jinja template can express builds it in Python (ChatGLM3).
+    def _uses_builtin_chat_format(self, chat_template: Optional[str]) -> bool:
+        return False
+
+    def _builtin_chat_text(self, conversation, add_generation_prompt: bool) -> str:
+        raise NotImplementedError
+
+    def _builtin_chat_ids(self, conversation, add_generation_prompt: bool) -> List[int]:
+        raise NotImplementedError
+
+    def _chat_ids_from_template(self, conversation, tools, documents, chat_template, add_generation_prompt,
+                                kwargs) -> List[int]:
+        guard = _ChatTextGuard(self._special_texts(), self.CHAT_ROLES)
+        rendered = self._render_chat(
+            guard.protect_conversation(conversation), guard.protect(tools), guard.protect(documents), chat_template,
+            add_generation_prompt, {key: guard.protect(value) for key, value in kwargs.items()},
+        )
+        return self._encode_segments(rendered, parse_special=True, restore=guard.restore)
+
+    def _package_chat_ids(self, all_ids, batched, padding, truncation, max_length, return_tensors, return_dict,
+                          tokenizer_kwargs):
+        tokenizer_kwargs = {key: value for key, value in tokenizer_kwargs.items() if key != "add_special_tokens"}
+        if not (return_dict or padding or truncation or return_tensors or tokenizer_kwargs):
+            return all_ids if batched else all_ids[0]
+        if batched:
+            rows = [
+                self.prepare_for_model(ids, add_special_tokens=False, truncation=truncation, max_length=max_length,
+                                       return_attention_mask=False)["input_ids"]
+                for ids in all_ids
+            ]
+            encoded = self.pad({"input_ids": rows}, padding=padding, max_length=max_length,
+                               return_tensors=return_tensors, **tokenizer_kwargs)
+        else:
+            encoded = self.prepare_for_model(all_ids[0], add_special_tokens=False, padding=padding,
+                                             truncation=truncation, max_length=max_length,
+                                             return_tensors=return_tensors, prepend_batch_axis=bool(return_tensors),
+                                             **tokenizer_kwargs)
+        return encoded if return_dict else encoded["input_ids"]
+
+
+class _GLMTokenizerBase(_ChatRendering, _Decoding, _SequenceLayout, _SpecialTokenParsing, _TransformersCompat,
+                        PreTrainedTokenizer):
     """What GLM-4 and ChatGLM3 share: control tokens, special-token parsing, padding, decoding and chat templates.
 
     A subclass loads its model in `_load_model` and provides `_encode_text` / `_tokenize` (plain text, no control
@@ -312,6 +621,8 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
     CONTROL_TOKENS: Tuple[str, ...] = ()  # in id order, starting right after the model's own vocabulary
     PREFIX_TOKENS: Tuple[str, ...] = ()  # added in front of every sequence by add_special_tokens=True
     WHOLE_WORD_CONTROL_TOKENS: Tuple[str, ...] = ()  # parsed only when not inside a word
+    # Control tokens whose text is parsed from text (None: all of them). The others are only ever text.
+    PARSED_CONTROL_TOKENS: Optional[Tuple[str, ...]] = None
     CHAT_ROLES = ("system", "user", "assistant", "observation")  # a template writes each as the token <|role|>
     EOS_TOKEN = ""
     EXPECTED_FILE = ""
@@ -394,79 +705,7 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
             shutil.copyfile(self.vocab_file, target)
         return (target,)
 
-    # ---- encoding ------------------------------------------------------------------------------------------------
-
-    def _special_texts(self) -> List[str]:
-        """Texts parsed only on request: the control tokens and any special token a user added."""
-        reserved = self._reserved_ids()
-        user_specials = [
-            token.content for index, token in self._added_tokens_decoder.items()
-            if token.special and index not in reserved
-        ]
-        return list(self.CONTROL_TOKENS) + user_specials
-
-    def _user_vocabulary_texts(self) -> List[str]:
-        """Non-special tokens added with `add_tokens`: always matched, as in transformers."""
-        reserved = self._reserved_ids()
-        return [
-            token.content for index, token in self._added_tokens_decoder.items()
-            if not token.special and index not in reserved
-        ]
-
-    def _split_pattern(self, parse_special: bool) -> Optional["re.Pattern"]:
-        always = tuple(self._user_vocabulary_texts())
-        specials = tuple(self._special_texts()) if parse_special else ()
-        key = (always, specials)
-        if key not in self._split_patterns:
-            self._split_patterns[key] = _alternation(always + specials, self.WHOLE_WORD_CONTROL_TOKENS)
-        return self._split_patterns[key]
-
-    def _segments(self, text: str, parse_special: bool) -> Iterable[Tuple[str, bool]]:
-        """Split `text` into (piece, is_token) pairs: whole added/control tokens and the plain text between them."""
-        pattern = self._split_pattern(parse_special)
-        if pattern is None:
-            return [(text, False)] if text else []
-        pieces = pattern.split(text)
-        # re.split with one capturing group alternates text, token, text, ...
-        return [(piece, index % 2 == 1) for index, piece in enumerate(pieces) if piece]
-
-    def _parse_special_requested(self, kwargs: dict) -> bool:
-        split = kwargs.pop("split_special_tokens", None)
-        forwarded = kwargs.pop(_SPLIT_FLAG_KWARG, None)
-        if split is None:
-            split = forwarded
-        if split is None:
-            split = self.split_special_tokens
-        return not split
-
-    def tokenize(self, text, **kwargs) -> list:
-        """Tokens of `text`, control tokens parsed unless `split_special_tokens=True` (see the module doc).
-
-        Tokens added with `add_tokens` match exactly where they occur (their lstrip/rstrip/single_word flags are not
-        applied). Other keyword arguments are accepted and ignored, as transformers passes its own through here.
-        """
-        if not isinstance(text, str):
-            raise TypeError(f"{type(self).__name__}.tokenize expects a str, got {type(text).__name__}")
-        tokens = []
-        for piece, is_token in self._segments(text, self._parse_special_requested(kwargs)):
-            if is_token:
-                tokens.append(piece)
-            else:
-                tokens.extend(self._tokenize(piece))
-        return tokens
-
-    def _encode_segments(self, text: str, parse_special: bool,
-                         restore: Optional[Callable[[str], str]] = None) -> List[int]:
-        """Text to ids without building tokens; `restore` rewrites the plain-text pieces first (chat templates)."""
-        ids: List[int] = []
-        for piece, is_token in self._segments(text, parse_special):
-            if is_token:
-                ids.append(self._token_to_id(piece))
-            elif restore is not None:
-                ids.extend(self._encode_segments(restore(piece), parse_special=False))
-            else:
-                ids.extend(self._encode_text(piece))
-        return ids
+    # ---- entry points -------------------------------------------------------------------------------------------
 
     def __call__(self, text=None, text_pair=None, text_target=None, text_pair_target=None, *args, **kwargs):
         for name, value in (("text", text), ("text_pair", text_pair), ("text_target", text_target),
@@ -483,186 +722,6 @@ class _GLMTokenizerBase(_TransformersCompat, PreTrainedTokenizer):
         with self._padding_side_from(kwargs):
             return super().encode(text, text_pair, *args, **kwargs)
 
-    def build_inputs_with_special_tokens(self, token_ids_0: List[int], token_ids_1: Optional[List[int]] = None):
-        ids = self.get_prefix_tokens() + list(token_ids_0)
-        if token_ids_1 is not None:
-            ids += list(token_ids_1) + [self.eos_token_id]
-        return ids
-
-    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False):
-        if already_has_special_tokens:
-            if token_ids_1 is not None:
-                raise ValueError("token_ids_1 must be None when the ids already contain special tokens")
-            special = set(self.all_special_ids) | set(self._control_by_id)
-            return [1 if index in special else 0 for index in token_ids_0]
-        mask = [1] * len(self.PREFIX_TOKENS) + [0] * len(token_ids_0)
-        if token_ids_1 is not None:
-            mask += [0] * len(token_ids_1) + [1]
-        return mask
-
-    def create_token_type_ids_from_sequences(self, token_ids_0, token_ids_1=None):
-        # GLM models have no token types.
-        return [0] * len(self.build_inputs_with_special_tokens(token_ids_0, token_ids_1))
-
-    # ---- padding -------------------------------------------------------------------------------------------------
-
-    def _pad(self, encoded_inputs, max_length=None, padding_strategy=PaddingStrategy.DO_NOT_PAD,
-             pad_to_multiple_of=None, padding_side=None, return_attention_mask=None) -> dict:
-        side = padding_side if padding_side is not None else self.padding_side
-        _check_padding_side(side)
-        if return_attention_mask is None:
-            return_attention_mask = "attention_mask" in self.model_input_names
-        length = len(encoded_inputs[self.model_input_names[0]])
-
-        if padding_strategy == PaddingStrategy.LONGEST:
-            max_length = length
-        if max_length is not None and pad_to_multiple_of is not None and max_length % pad_to_multiple_of:
-            max_length = (max_length // pad_to_multiple_of + 1) * pad_to_multiple_of
-
-        # position_ids come with the attention mask: both describe where the real tokens are.
-        if return_attention_mask:
-            encoded_inputs.setdefault("attention_mask", [1] * length)
-            encoded_inputs.setdefault("position_ids", list(range(length)))
-
-        missing = (max_length - length) if padding_strategy != PaddingStrategy.DO_NOT_PAD and max_length else 0
-        if missing > 0:
-            fill = {
-                self.model_input_names[0]: self.pad_token_id,
-                "attention_mask": 0,
-                "position_ids": 0,
-                "token_type_ids": self.pad_token_type_id,
-                "special_tokens_mask": 1,
-            }
-            for key, value in fill.items():
-                if key in encoded_inputs:
-                    padding = [value] * missing
-                    row = list(encoded_inputs[key])
-                    encoded_inputs[key] = padding + row if side == "left" else row + padding
-        return encoded_inputs
-
-    # ---- decoding ------------------------------------------------------------------------------------------------
-
-    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None,
-                spaces_between_special_tokens=None, **kwargs) -> str:
-        # `spaces_between_special_tokens` is accepted for compatibility and ignored: decode never adds text.
-        if _is_token_id(token_ids):
-            token_ids = [token_ids]
-        skipped = (set(self.all_special_ids) | set(self._control_by_id)) if skip_special_tokens else set()
-        added = self._added_tokens_decoder
-        reserved = self._reserved_ids()
-        parts: List[str] = []
-        run: List[int] = []
-        for index in map(int, token_ids):
-            token_text = self._control_by_id.get(index)
-            if token_text is None and index in added and index not in reserved:
-                token_text = added[index].content
-            if token_text is None:
-                if index not in skipped:
-                    run.append(index)
-                continue
-            if run and (index not in skipped or self.SKIPPED_TOKEN_ENDS_RUN):
-                parts.append(self._decode_run(run))
-                run = []
-            if index not in skipped:
-                parts.append(token_text)
-        if run:
-            parts.append(self._decode_run(run))
-        text = self._join_decoded(parts)
-        cleanup = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None \
-            else clean_up_tokenization_spaces
-        return _clean_up_tokenization(text) if cleanup else text
-
-    def _join_decoded(self, parts: List) -> str:
-        return "".join(parts)
-
-    # ---- chat templates ------------------------------------------------------------------------------------------
-
-    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
-                            add_generation_prompt=False, tokenize=True, padding=False, truncation=False,
-                            max_length=None, return_tensors=None, return_dict=False,
-                            return_assistant_tokens_mask=False, tokenizer_kwargs=None, **kwargs):
-        """Render a conversation with the chat template; with `tokenize=True` encode it safely (see module doc).
-
-        Returns the rendered text (`tokenize=False`), else the ids as a list (or a tensor with `return_tensors`),
-        or a `BatchEncoding` with `return_dict=True` -- the same on every transformers version.
-        """
-        if return_assistant_tokens_mask:
-            raise ValueError("return_assistant_tokens_mask needs {% generation %} blocks, which GLM templates lack")
-        for option in _CHAT_OPTIONS_ALWAYS_ON:
-            kwargs.pop(option, None)
-        conversations, batched = self._as_conversations(conversation)
-        builtin = self._uses_builtin_chat_format(chat_template)
-        if not tokenize:
-            rendered = [
-                self._builtin_chat_text(conv, add_generation_prompt) if builtin
-                else self._render_chat(conv, tools, documents, chat_template, add_generation_prompt, kwargs)
-                for conv in conversations
-            ]
-            return rendered if batched else rendered[0]
-        all_ids = [
-            self._builtin_chat_ids(conv, add_generation_prompt) if builtin
-            else self._chat_ids_from_template(conv, tools, documents, chat_template, add_generation_prompt, kwargs)
-            for conv in conversations
-        ]
-        return self._package_chat_ids(all_ids, batched, padding, truncation, max_length, return_tensors,
-                                      return_dict, tokenizer_kwargs or {})
-
-    @staticmethod
-    def _as_conversations(conversation) -> Tuple[list, bool]:
-        first = conversation[0] if isinstance(conversation, (list, tuple)) and conversation else None
-        if isinstance(first, (list, tuple)) or hasattr(first, "messages"):
-            return [getattr(conv, "messages", conv) for conv in conversation], True
-        return [getattr(conversation, "messages", conversation)], False
-
-    def _resolve_chat_template(self, chat_template: Optional[str], tools) -> str:
-        return self.get_chat_template(chat_template, tools)
-
-    def _render_chat(self, conversation, tools, documents, chat_template, add_generation_prompt, kwargs) -> str:
-        template = self._resolve_chat_template(chat_template, tools)
-        return super().apply_chat_template(
-            conversation, tools=tools, documents=documents, chat_template=template,
-            add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs,
-        )
-
-    # A tokenizer whose chat format no Jinja template can express builds it in Python (ChatGLM3).
-    def _uses_builtin_chat_format(self, chat_template: Optional[str]) -> bool:
-        return False
-
-    def _builtin_chat_text(self, conversation, add_generation_prompt: bool) -> str:
-        raise NotImplementedError
-
-    def _builtin_chat_ids(self, conversation, add_generation_prompt: bool) -> List[int]:
-        raise NotImplementedError
-
-    def _chat_ids_from_template(self, conversation, tools, documents, chat_template, add_generation_prompt,
-                                kwargs) -> List[int]:
-        guard = _ChatTextGuard(self._special_texts(), self.CHAT_ROLES)
-        rendered = self._render_chat(
-            guard.protect_conversation(conversation), guard.protect(tools), guard.protect(documents), chat_template,
-            add_generation_prompt, {key: guard.protect(value) for key, value in kwargs.items()},
-        )
-        return self._encode_segments(rendered, parse_special=True, restore=guard.restore)
-
-    def _package_chat_ids(self, all_ids, batched, padding, truncation, max_length, return_tensors, return_dict,
-                          tokenizer_kwargs):
-        tokenizer_kwargs = {key: value for key, value in tokenizer_kwargs.items() if key != "add_special_tokens"}
-        if not (return_dict or padding or truncation or return_tensors or tokenizer_kwargs):
-            return all_ids if batched else all_ids[0]
-        if batched:
-            rows = [
-                self.prepare_for_model(ids, add_special_tokens=False, truncation=truncation, max_length=max_length,
-                                       return_attention_mask=False)["input_ids"]
-                for ids in all_ids
-            ]
-            encoded = self.pad({"input_ids": rows}, padding=padding, max_length=max_length,
-                               return_tensors=return_tensors, **tokenizer_kwargs)
-        else:
-            encoded = self.prepare_for_model(all_ids[0], add_special_tokens=False, padding=padding,
-                                             truncation=truncation, max_length=max_length,
-                                             return_tensors=return_tensors, prepend_batch_axis=bool(return_tensors),
-                                             **tokenizer_kwargs)
-        return encoded if return_dict else encoded["input_ids"]
-
 
 # ======================================================================================================================
 # GLM-4V: a chat with an image (glm-4v-9b's tokenizer; its tokenizer_config.json sets `image_size`)
@@ -678,8 +737,8 @@ def image_to_pixels(image, size: int):
     """A PIL RGB image as GLM-4V's vision input [3, size, size]: bicubic resize to size x size, values scaled to
     [0, 1], normalised per channel -- the original's torchvision Resize / ToTensor / Normalize, with PIL and torch."""
     import torch
-    from PIL import Image
 
+    Image = _import_pillow()
     if not isinstance(image, Image.Image):
         raise TypeError(f"A chat message's 'image' must be a PIL image (PIL.Image.open(path).convert('RGB')), got "
                         f"{type(image).__name__}.")
@@ -1072,6 +1131,13 @@ class _SentencePieceModel:
             raise ValueError(f"{path}: not a SentencePiece model ({err}); expected {expected}") from None
         if self.sp_model.vocab_size() != CHATGLM3_N_PIECES:
             raise ValueError(f"{path}: has {self.sp_model.vocab_size()} pieces; expected {expected}")
+        for index in range(self.sp_model.vocab_size()):
+            # A damaged byte inside a piece's text reads as a model whose pieces sentencepiece cannot return.
+            try:
+                self.sp_model.id_to_piece(index)
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}: piece {index} is not valid UTF-8 (the file is damaged); expected "
+                                 f"{expected}") from None
         self.n_words = self.sp_model.vocab_size()
         self.bos_id, self.eos_id, self.pad_id = self.sp_model.bos_id(), self.sp_model.eos_id(), self.sp_model.unk_id()
         self.special_tokens = {token: self.n_words + index for index, token in enumerate(control_tokens)}
@@ -1097,7 +1163,11 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
         "[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
     )
     PREFIX_TOKENS = ("[gMASK]", "sop")
-    WHOLE_WORD_CONTROL_TOKENS = ("sop", "eop")
+    # The original parsed "[gMASK]", "sop", "<|user|>" and "<|assistant|>" in text and kept "[MASK]", "[sMASK]" and
+    # "eop" as text; of its bugs, "sop" inside words is fixed (whole words only) and the two other role tokens are
+    # parsed too (the template writes all four roles).
+    PARSED_CONTROL_TOKENS = ("[gMASK]", "sop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+    WHOLE_WORD_CONTROL_TOKENS = ("sop",)
     # Text after a control token was encoded on its own (with SentencePiece's word-start marker), so it is decoded
     # on its own even when the control token is skipped: the result is the text without the control token.
     SKIPPED_TOKEN_ENDS_RUN = True

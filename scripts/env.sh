@@ -4,7 +4,8 @@
 # Usage: source scripts/env.sh [TRANSFORMERS_VERSION]   (empty or absent: the newest tested release)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${CHATGLM_VENV:-$ROOT/.venv}"
+# CHATGLM_MINIMAL=1: the minimal environment (only the six dependencies and the test runner), in its own venv.
+if [ "${CHATGLM_MINIMAL:-0}" = 1 ]; then VENV="${CHATGLM_MINIMAL_VENV:-$ROOT/.venv-minimal}"; else VENV="${CHATGLM_VENV:-$ROOT/.venv}"; fi
 PY="$VENV/bin/python"
 CONSTRAINTS="$ROOT/scripts/constraints.txt"
 # Newest release the repository is tested against; the demo runs on it.
@@ -17,12 +18,12 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRA
 if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
   pip_install torch==2.13.0
 fi
-# The dependencies, then what the tests exercise as users do: PEFT, Pillow (GLM-4V images), torchao and
-# optimum-quanto (model.quantize()).
+# The six dependencies and the test runner; then, unless CHATGLM_MINIMAL=1, what the tests exercise as users do:
+# PEFT (LoRA recipes), Pillow (GLM-4V images), torchao and optimum-quanto (model.quantize()).
 if ! "$PY" -c 'import accelerate, safetensors, sentencepiece, tiktoken, pytest, hypothesis' 2>/dev/null; then
   pip_install accelerate safetensors sentencepiece tiktoken pytest hypothesis
 fi
-if ! "$PY" -c 'import peft, PIL, torchao, optimum.quanto' 2>/dev/null; then
+if [ "${CHATGLM_MINIMAL:-0}" != 1 ] && ! "$PY" -c 'import peft, PIL, torchao, optimum.quanto' 2>/dev/null; then
   pip_install peft pillow torchao optimum-quanto
 fi
 
@@ -32,6 +33,18 @@ use_transformers() {
   have="$("$PY" -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)"
   if [ "$have" != "$want" ]; then
     pip_install "transformers==$want"
+  fi
+  # TRL as users of that release have it (its SFTTrainer recipe in tests/test_recipes.py): the TRL release of the
+  # same months, which names that transformers among those it supports.
+  if [ "${CHATGLM_MINIMAL:-0}" != 1 ]; then
+    local trl
+    case "$want" in
+      4.44.*|4.45.*) trl=0.11.4 ;; 4.46.*|4.47.*) trl=0.12.2 ;; 4.48.*|4.49.*|4.50.*) trl=0.15.2 ;;
+      4.51.*|4.52.*|4.53.*|4.54.*|4.55.*) trl=0.19.1 ;; *) trl=1.16.0 ;;
+    esac
+    if [ "$("$PY" -c 'import trl; print(trl.__version__)' 2>/dev/null || true)" != "$trl" ]; then
+      pip_install "trl==$trl" "transformers==$want"
+    fi
   fi
 }
 use_transformers "${1:-$DEFAULT_TRANSFORMERS}"

@@ -5,10 +5,24 @@
 #   scripts/test.sh                 # the whole matrix
 #   scripts/test.sh 5.23.0 -k parity   # one version, extra pytest arguments
 #   scripts/test.sh --quick         # daily work: the newest version, no multi-device / tensor-parallel tests
+#   scripts/test.sh --minimal [VERSION]   # only the core suite in the minimal environment
+# The whole matrix also runs the core suite in a minimal environment (.venv-minimal: only torch, transformers,
+# accelerate, safetensors, sentencepiece, tiktoken and the test runner) on the oldest and newest versions: tests of
+# optional features skip there naming their package, and nothing else may need more than the six dependencies.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0)
 OLDEST=4.44.2; NEWEST=5.23.0
+MINIMAL=("$OLDEST" "$NEWEST")
+CORE=(tests/test_loading.py tests/test_parity.py tests/test_generation.py tests/test_chat.py tests/test_inputs.py
+      tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py tests/test_recipes.py
+      tests/test_overrides.py tests/test_dependencies.py)
+if [ $# -gt 0 ] && [ "$1" = "--minimal" ]; then
+  shift; MATRIX=()
+  if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+\.[0-9]+ ]]; then MINIMAL=("$1"); shift; fi
+elif [ $# -gt 0 ]; then
+  MINIMAL=()  # a version or --quick: the full environment only
+fi
 if [ $# -gt 0 ] && [ "$1" = "--quick" ]; then shift; set -- "$NEWEST" -m "not matrix_ends and not multi_device" "$@"; fi
 if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+\.[0-9]+ ]]; then MATRIX=("$1"); shift; fi
 REPORTS="$(mktemp -d)"
@@ -22,6 +36,17 @@ for version in "${MATRIX[@]}"; do
   rc=$?
   # Any non-zero exit fails the run: set-up errors, test failures, and pytest's 5 for "no test collected".
   if [ $rc -ne 0 ]; then status=1; echo "transformers $version: exited $rc"; fi
+done
+for version in "${MINIMAL[@]}"; do
+  echo "=== transformers $version, minimal environment ==="
+  (export CHATGLM_MINIMAL=1 CHATGLM_TEST_ENV=minimal && source "$ROOT/scripts/env.sh" "$version" >/dev/null && \
+    cd "$ROOT" && "$PY" - <<'CHECK' && "$PY" -m pytest -q --junitxml="$REPORTS/$version-minimal.xml" "${CORE[@]}" "$@")
+import importlib.util, sys
+present = [name for name in ("PIL", "peft", "torchao", "optimum", "trl", "torchvision") if importlib.util.find_spec(name)]
+sys.exit(f"the minimal environment holds optional packages: {present}" if present else 0)
+CHECK
+  rc=$?
+  if [ $rc -ne 0 ]; then status=1; echo "transformers $version, minimal environment: exited $rc"; fi
 done
 python3 - "$REPORTS" <<'PY'
 import sys, pathlib, xml.etree.ElementTree as ET

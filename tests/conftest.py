@@ -25,6 +25,20 @@ sys.path.insert(0, str(REPO / "tools"))
 from install_into_checkpoint import CODE_FILES  # noqa: E402
 
 
+# The minimal environment (scripts/test.sh, CHATGLM_TEST_ENV=minimal) holds only the six dependencies: tests of an
+# optional feature skip there, naming its package. Anywhere else a missing optional package fails its tests.
+MINIMAL_ENVIRONMENT = os.environ.get("CHATGLM_TEST_ENV") == "minimal"
+
+
+def optional_package(module: str, package: str):
+    """Import an optional feature's package for a test (skipped, naming it, only in the minimal environment)."""
+    if MINIMAL_ENVIRONMENT:
+        return pytest.importorskip(module, reason=f"{package} is optional and not in the minimal environment")
+    import importlib
+
+    return importlib.import_module(module)
+
+
 # Modules whose tests split a model over simulated devices or processes: marked `multi_device` for the quick run.
 MULTI_DEVICE_MODULES = ("test_devices", "test_parallel", "test_virtual_devices")
 

@@ -5,6 +5,8 @@ import sys
 import pytest
 import torch
 
+from conftest import optional_package
+
 # The real vocabularies (the tokenizer's ids must be in range); small everything else.
 CHAT_VOCAB = {"chatglm3": 65024, "glm4": 151552}
 TOKENIZER = {"chatglm3": "chatglm3_tokenizer", "glm4": "glm4_tokenizer"}
@@ -183,7 +185,7 @@ IDS = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(0))
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantize_with_a_maintained_library(tiny_model, bits):
-    pytest.importorskip("torchao" if bits == 8 else "optimum.quanto", reason="optional quantization library")
+    optional_package(*(("torchao", "torchao") if bits == 8 else ("optimum.quanto", "optimum-quanto")))
     model = tiny_model("glm4").quantize(bits)
     layer = model.transformer.encoder.layers[0].mlp.dense_h_to_4h
     assert type(layer) is not torch.nn.Linear or type(layer.weight) is not torch.nn.Parameter  # really quantized
@@ -196,3 +198,20 @@ def test_torch_ao_dynamic_int8_model_runs(tiny_model, family):
     """Every nn.Linear, the output layer included, becomes a module without a float `weight`."""
     model = torch.ao.quantization.quantize_dynamic(tiny_model(family), {torch.nn.Linear}, torch.qint8)
     quantized_runs_close(model, tiny_model(family), IDS, tolerance=0.15)  # activations are quantized too
+
+
+def test_torch_ao_dynamic_int8_generate_equals_the_cached_greedy_loop(tiny_model):
+    """generate() on a quantize_dynamic model picks the tokens of a greedy loop over the same model with its cache.
+    (A loop that recomputes the whole sequence each step picks others: dynamic quantization scales each call's
+    activations, one new token's or the whole sequence's; fp32 has no such difference.)"""
+    model = torch.ao.quantization.quantize_dynamic(tiny_model("glm4"), {torch.nn.Linear}, torch.qint8)
+    generated = model.generate(IDS, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens, past, steps = IDS, None, []
+    with torch.no_grad():
+        for _ in range(8):
+            step = tokens if past is None else tokens[:, -1:]
+            positions = torch.arange(tokens.shape[1] - step.shape[1], tokens.shape[1]).expand(len(tokens), -1)
+            out = model(input_ids=step, position_ids=positions, past_key_values=past, use_cache=True)
+            past, chosen = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, chosen], dim=1)
+    assert torch.equal(generated, tokens)

@@ -8,6 +8,7 @@ text by default and keeps it as text with `split_special_tokens=True`.
 import base64
 import functools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -289,6 +290,20 @@ def test_glm4_fast_equals_slow_on_real_text(glm4_fast_tokenizer, glm4_tokenizer,
 # load anyway), so in parse mode it reads their text as them, where ChatGLMTokenizer parses its 9 control tokens only.
 SENTENCEPIECE_SPECIALS = ("<unk>", "<s>", "</s>")
 CHATGLM3_PREFIX = [64790, 64792]
+# The one difference from the slow tokenizer (and the original): transformers registers a fast tokenizer's unk/pad and
+# eos tokens as added tokens, which a fast tokenizer always matches in text; the slow one keeps this text as text.
+FAST_ONLY_PARSED = {"<unk>": 0, "</s>": 2}
+
+
+def chatglm3_fast_parse_expected(slow, text):
+    """The slow tokenizer's ids with special-token text parsed, "<unk>" / "</s>" text taken as ids 0 / 2."""
+    ids = []
+    for piece in re.split("(" + "|".join(map(re.escape, FAST_ONLY_PARSED)) + ")", text):
+        if piece in FAST_ONLY_PARSED:
+            ids.append(FAST_ONLY_PARSED[piece])
+        elif piece:
+            ids += slow.encode(piece, add_special_tokens=False, split_special_tokens=False)
+    return ids
 
 
 def chatglm3_expected_offsets(text, ids, sp_model):
@@ -324,10 +339,15 @@ def test_chatglm3_every_vocabulary_entry_encodes_as_sentencepiece_does(chatglm3_
     entries = chatglm3_vocabulary_texts(sp.sp_model)
     assert len(entries) > 64_000
     texts = [text for _, text in entries]
-    fast = text_backend(chatglm3_fast_tokenizer).encode_batch(texts, add_special_tokens=False)
+    backend = text_backend(chatglm3_fast_tokenizer)
+    fast = backend.encode_batch(texts, add_special_tokens=False)
     assert [encoding.ids for encoding in fast] == [sp.encode(text) for text in texts]
     for (index, text), encoding in zip(entries, fast):
         assert encoding.offsets == chatglm3_expected_offsets(text, encoding.ids, sp.sp_model), index
+    # Special-token text parsed: the same as the slow tokenizer (entries such as " sop" hold a control token's text).
+    backend.encode_special_tokens = False
+    parsed = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    assert parsed == [chatglm3_fast_parse_expected(chatglm3_tokenizer, text) for text in texts]
 
 
 def test_chatglm3_fast_matches_the_reference_vectors_and_the_slow_tokenizer(chatglm3_fast_tokenizer,
@@ -338,9 +358,9 @@ def test_chatglm3_fast_matches_the_reference_vectors_and_the_slow_tokenizer(chat
         # sp_encode_ids: the original's SentencePiece ids, what its build_chat_input used for plain text.
         assert fast.encode(text, add_special_tokens=False, split_special_tokens=True) == record["sp_encode_ids"]
         assert fast(text, split_special_tokens=True)["input_ids"] == CHATGLM3_PREFIX + record["sp_encode_ids"]
-        if not any(special in text for special in SENTENCEPIECE_SPECIALS):
-            assert fast.encode(text, add_special_tokens=False) == slow.encode(
-                text, add_special_tokens=False, split_special_tokens=False), record["id"]
+        assert fast.encode(text, add_special_tokens=False) == chatglm3_fast_parse_expected(slow, text), record["id"]
+        if not holds_any(text, FAST_ONLY_PARSED):
+            assert fast.encode(text, add_special_tokens=False) == slow.encode(text, add_special_tokens=False)
         assert fast.decode(record["sp_encode_ids"]) == slow.decode(record["sp_encode_ids"]) == text
         ids = slow.encode(text, split_special_tokens=True)
         assert fast.decode(ids, skip_special_tokens=True) == slow.decode(ids, skip_special_tokens=True) == text
@@ -373,11 +393,22 @@ def test_chatglm3_fast_equals_slow_on_real_text(chatglm3_fast_tokenizer, chatglm
         assert encoding.ids == sp.encode(text), text[:80]
         assert encoding.offsets == chatglm3_expected_offsets(text, encoding.ids, sp.sp_model), text[:80]
     backend.encode_special_tokens = False
-    with_controls = [text for text in real_texts if holds_any(text, chatglm3_tokenizer.CONTROL_TOKENS)
-                     and not holds_any(text, SENTENCEPIECE_SPECIALS)]
+    with_controls = [text for text in real_texts
+                     if holds_any(text, chatglm3_tokenizer.CONTROL_TOKENS + SENTENCEPIECE_SPECIALS)]
     assert len(with_controls) > 50
     for text, encoding in zip(with_controls, backend.encode_batch(with_controls, add_special_tokens=False)):
-        assert encoding.ids == chatglm3_tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False)
+        assert encoding.ids == chatglm3_fast_parse_expected(chatglm3_tokenizer, text), text[:80]
+
+
+@pytest.mark.parametrize("text", ["eop The ratio was 3:1", "[sMASK]", "a [MASK] b", "<s>", "isopropyl sop",
+                                  "<|system|>x<|observation|>"])
+def test_chatglm3_fast_parses_the_slow_tokenizers_control_tokens_only(chatglm3_fast_tokenizer, chatglm3_tokenizer,
+                                                                       text):
+    """"[MASK]", "[sMASK]", "eop" (and "<s>") stay text, as in the slow tokenizer and the original; the ids still
+    decode to their text."""
+    fast, slow = chatglm3_fast_tokenizer, chatglm3_tokenizer
+    assert fast.encode(text, add_special_tokens=False) == slow.encode(text, add_special_tokens=False)
+    assert fast.decode([64789, 64791, 64793]) == slow.decode([64789, 64791, 64793]) == "[MASK][sMASK]eop"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

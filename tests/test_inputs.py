@@ -95,3 +95,68 @@ def test_a_decode_step_reads_no_tensor_value(tiny_model, chatglm):
     with pytest.raises(ValueError, match=r"attention_mask must be .*\[2, 6 \+ 1\]"):  # the checks did run
         meta_model(input_ids=torch.zeros(2, 1, dtype=torch.long, device="meta"),
                    attention_mask=torch.ones(2, 5, dtype=torch.long, device="meta"), past_key_values=cache)
+
+
+# A 2-D mask's values: a 2 was attended like a 1 and a row of zeros attended to nothing, both giving logits off by
+# 6-9 from any meaningful answer, with no error.
+BAD_MASKS = {
+    "value 2": (lambda m: m.masked_fill(torch.arange(7) == 3, 2), "only 1 \\(token\\) and 0 \\(padding\\); it holds 2"),
+    "value -1": (lambda m: m.masked_fill(torch.arange(7) == 0, -1), "it holds -1"),
+    "float 0.5": (lambda m: m.float().masked_fill(torch.arange(7) == 0, 0.5), "it holds 0.5"),
+    "row of zeros": (lambda m: m.masked_fill(torch.arange(2)[:, None] == 1, 0), "row 1 is all 0"),
+    "bool row of False": (lambda m: m.bool().masked_fill(torch.arange(2)[:, None] == 0, False), "row 0 is all 0"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_MASKS)
+def test_attention_mask_values_other_than_0_and_1_are_refused(tiny_model, case):
+    change, expected = BAD_MASKS[case]
+    model = tiny_model("glm4")
+    with pytest.raises(ValueError, match="^attention_mask ") as error, torch.no_grad():
+        model(input_ids=IDS, attention_mask=change(torch.ones(2, 7, dtype=torch.long)))
+    assert re.search(expected, str(error.value)), str(error.value)
+
+
+def test_attention_masks_of_0_and_1_in_any_dtype_give_the_same_logits(tiny_model):
+    model = tiny_model("glm4")
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        reference = model(input_ids=IDS, attention_mask=mask).logits
+        for form in (mask.bool(), mask.float(), mask.int()):
+            assert torch.equal(model(input_ids=IDS, attention_mask=form).logits, reference)
+
+
+def test_max_new_tokens_beyond_seq_length_warns_once_naming_both(tiny_model, caplog):
+    import logging
+
+    model = tiny_model("chatglm3", seq_length=9)  # a length no other test uses: warning_once remembers messages
+    prompt = IDS[:1, :4]
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            model.generate(prompt, max_new_tokens=11, do_sample=False, min_new_tokens=11)
+        model.generate(prompt, max_new_tokens=9, do_sample=False)  # within seq_length: no warning
+    warned = [r.getMessage() for r in caplog.records if "seq_length" in r.getMessage()]
+    assert len(warned) == 1 and "max_new_tokens=11" in warned[0] and "seq_length=9" in warned[0], warned
+
+
+@pytest.mark.parametrize("devices", ["cuda:0", "cpu", 0, torch.device("cpu")])
+def test_balanced_device_map_refuses_a_single_device_where_a_list_belongs(chatglm, devices):
+    """A string is iterable: "cuda:0" mapped the layers to 'c', 'u', 'd', ..."""
+    config = chatglm.ChatGLMConfig(num_layers=2, hidden_size=32, ffn_hidden_size=32, kv_channels=8,
+                                   num_attention_heads=4, padded_vocab_size=64)
+    with pytest.raises(TypeError, match=r"devices must be a list of devices, e\.g\. \["):
+        chatglm.modeling.balanced_device_map(config, devices)
+    assert set(chatglm.modeling.balanced_device_map(config, [devices]).values()) == {devices}
+
+
+def test_a_cache_with_fewer_layers_than_the_model_is_refused(tiny_model):
+    """transformers < 4.47 took it, and attention failed on mismatched sizes."""
+    from transformers import DynamicCache
+
+    model = tiny_model("glm4")  # 3 layers
+    cache = DynamicCache()
+    cache.update(embeds(2, 2, 3, 16), embeds(2, 2, 3, 16), 0)
+    with pytest.raises(ValueError, match=r"past_key_values holds 1 layers; this model has 3 \(num_layers\)"), \
+            torch.no_grad():
+        model(input_ids=IDS, past_key_values=cache)

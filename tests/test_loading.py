@@ -85,6 +85,16 @@ BAD_CONFIGS = [
     ({"layernorm_epsilon": 0}, "layernorm_epsilon"),
     ({"rope_ratio": 0}, "rope_ratio"),
     ({"num_layers": 3, "num_hidden_layers": 4}, "num_hidden_layers"),
+    # It said "num_layers=3 but num_hidden_layers=3".
+    ({"num_layers": 3, "num_hidden_layers": "3"}, "num_hidden_layers must be a positive integer, got '3'"),
+    ({"num_layers": 3, "num_hidden_layers": 3.0}, "num_hidden_layers must be a positive integer"),
+    ({"rope_ratio": float("inf")}, "rope_ratio must be a finite positive number, got inf"),
+    ({"layernorm_epsilon": float("inf")}, "layernorm_epsilon must be a finite positive number"),
+    ({"rope_ratio": float("nan")}, "rope_ratio must be a finite"),
+    ({"hidden_dropout": float("nan")}, "hidden_dropout"),
+    # vocab_size (the alias of padded_vocab_size) was dropped silently when it disagreed.
+    ({"padded_vocab_size": 64, "vocab_size": 100}, "padded_vocab_size=64 but vocab_size=100"),
+    ({"padded_vocab_size": 64, "vocab_size": "64"}, "vocab_size must be a positive integer"),
 ]
 
 
@@ -262,6 +272,22 @@ def test_config_field_of_the_wrong_type_names_the_field(chatglm, tmp_path, field
         chatglm.ChatGLMConfig.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("field", ["rope_ratio", "layernorm_epsilon"])
+def test_config_json_infinity_is_refused(chatglm, tmp_path, field):
+    """Python's json reads `Infinity` as a float; a model built from it gives NaN or no rotation at all."""
+    fields = json.loads(shared_path("configs", "glm-4-9b-chat", "config.json").read_text())
+    fields[field] = float("inf")
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    assert "Infinity" in (tmp_path / "config.json").read_text()
+    with pytest.raises(ValueError, match=rf"ChatGLMConfig\.{field} must be a finite positive number, got inf"):
+        chatglm.ChatGLMConfig.from_pretrained(tmp_path)
+
+
+def test_config_aliases_that_agree_are_accepted(chatglm):
+    config = chatglm.ChatGLMConfig(num_layers=2, num_hidden_layers=2, padded_vocab_size=64, vocab_size=64)
+    assert (config.num_hidden_layers, config.vocab_size) == (2, 64)
+
+
 def other_family_folder(tmp_path, config) -> "Path":
     """A checkpoint folder of another family whose config.json points its auto_map at ChatGLM's code."""
     fields = config.to_dict()
@@ -431,3 +457,54 @@ def test_checkpoint_with_another_familys_weights_is_refused_listing_keys(tiny_mo
               metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"holds 0 of the \d+ weights.*transformer\.embedding.*{re.escape(found)}"):
         load_causal_lm(folder)
+
+
+@pytest.mark.parametrize("device, named", [("cuda:97", "no such device"), (97, "no such device"),
+                                           ("bogus", "is not a device"), (None, "is not a device")])
+def test_device_map_naming_a_device_this_machine_lacks_is_refused_before_loading(golden, monkeypatch, device, named):
+    """transformers < 4.46 found out only after reading the weights."""
+    import safetensors.torch
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("weights were read before the device map was checked")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", no_read)
+    monkeypatch.setattr(safetensors, "safe_open", no_read)
+    with pytest.raises(ValueError, match=rf"device_map\[''\] = {re.escape(repr(device))}.*{named}"):
+        load_causal_lm(golden.folder, device_map={"": device})
+
+
+def test_config_json_attn_implementation_that_does_not_exist_is_refused(golden, tmp_path):
+    """transformers 4.44 dropped the value silently and ran sdpa; 4.49 accepted it too."""
+    folder = tmp_path / "bogus_attention"
+    shutil.copytree(golden.folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["attn_implementation"] = "bogus"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"attn_implementation.*bogus"):
+        load_causal_lm(folder)
+
+
+def test_checkpoint_with_a_float64_weight_loads_in_one_dtype_or_names_the_argument(golden, tmp_path):
+    """transformers 4.44 with dtype "auto" and no torch_dtype in config.json loaded that weight as float64 and the
+    others as float32; the forward then failed on mixed dtypes."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "float64_weight"
+    shutil.copytree(golden.folder, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = weights[first].double()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    try:
+        model = load_causal_lm(folder, dtype="auto")
+    except ValueError as error:
+        assert "float64" in str(error) and "torch_dtype" in str(error) and first in str(error), str(error)
+        return
+    assert len({p.dtype for p in model.parameters()}) == 1
+    with torch.no_grad():
+        model(input_ids=golden.expected["seq_1_input_ids"][None])

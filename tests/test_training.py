@@ -4,7 +4,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAMILIES, TRANSFORMERS, Version
+from conftest import FAMILIES, TRANSFORMERS, Version, optional_package
 
 
 def batch(seed, batch_size=2, length=12):
@@ -298,6 +298,7 @@ def test_glm4v_full_fine_tuning_gradients_equal_the_per_sequence_gradients(tiny_
 def test_glm4v_lora_on_the_language_model_trains_with_images(tiny_glm4v, tmp_path):
     """PEFT LoRA on the language model's layers only (the vision tower has a `query_key_value` too), trained by the
     Trainer on batches with images; the merged model computes what the adapted one does."""
+    optional_package("peft", "PEFT")
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
 

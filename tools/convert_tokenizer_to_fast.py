@@ -14,8 +14,12 @@ the vocabulary is taken whole before any merge (`ignore_merges`): without it 893
 could not be produced. GLM-4's regex splits first; 14 special tokens at 151329..151342.
 
 ChatGLM3: SentencePiece's BPE over the whole text (no pre-tokenizer): a "▁" in front and every space as "▁", merges
-ordered by piece score, bytes for characters outside the vocabulary; 9 control tokens at 64789..64797 ("sop" and
-"eop" only as whole words, as ChatGLMTokenizer parses them).
+ordered by piece score, bytes for characters outside the vocabulary; 9 control tokens at 64789..64797, of which the
+text of "[gMASK]", "sop" (as a whole word) and the four role tokens is parsed, as ChatGLMTokenizer parses it;
+"[MASK]", "[sMASK]" and "eop" are vocabulary entries that text never produces. Unlike the slow tokenizer (and the
+original), the fast one parses the text "<unk>" and "</s>" into their ids when special-token text is
+parsed: transformers registers a fast tokenizer's unk, eos and pad tokens as added tokens, which are always matched
+(`split_special_tokens=True` keeps them as text).
 
 Both add the `[gMASK] <sop>` prefix (ChatGLM3: `[gMASK] sop`) with add_special_tokens=True, and pairs end with the eos
 token. The merges are written in the format every tokenizers release reads (0.19, transformers 4.44, and up).
@@ -119,14 +123,20 @@ def chatglm3_tokenizer(model_path: Path) -> Tokenizer:
     def mergeable(index: int) -> bool:
         return not (sp.is_control(index) or sp.is_unknown(index) or sp.is_byte(index) or sp.is_unused(index))
 
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges_by_result(vocab, mergeable), unk_token="<unk>",
-                                     byte_fallback=True, fuse_unk=True))
+    merges = merges_by_result(vocab, mergeable)
+    # The control tokens whose text stays text ("[MASK]", "[sMASK]", "eop") must not be added tokens, which a fast
+    # tokenizer always matches in text: all nine go into the model's vocabulary at their ids (no merge builds them,
+    # so text never produces them), and the parsed ones are then added on top of those ids.
+    vocab.update({token: sp.vocab_size() + index for index, token in enumerate(ChatGLMTokenizer.CONTROL_TOKENS)})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(" ", 1, 0)])
-    # SentencePiece's own control pieces are special too (skipped in decoding, never produced from text).
+    # The checkpoint's unk/pad ("<unk>") and eos ("</s>") are special (skipped in decoding): transformers registers
+    # them as added tokens on loading anyway. "<s>", which no ChatGLM3 config names, stays a plain vocabulary entry,
+    # so its text stays text, as in the slow tokenizer.
     tokenizer.add_special_tokens([AddedToken(sp.id_to_piece(index), special=True, normalized=False)
-                                  for index in range(sp.vocab_size()) if sp.is_control(index) or sp.is_unknown(index)])
+                                  for index in (sp.unk_id(), sp.eos_id())])
     return with_control_tokens(tokenizer, ChatGLMTokenizer, first_id=sp.vocab_size())
 
 
@@ -137,9 +147,10 @@ def chatglm3_tokenizer(model_path: Path) -> Tokenizer:
 def with_control_tokens(tokenizer: Tokenizer, slow_class, first_id: int) -> Tokenizer:
     """The slow tokenizer's control tokens, in its id order, and its prefix / pair template."""
     whole_word = set(getattr(slow_class, "WHOLE_WORD_CONTROL_TOKENS", ()))
+    parsed = getattr(slow_class, "PARSED_CONTROL_TOKENS", None) or slow_class.CONTROL_TOKENS
     tokenizer.add_special_tokens([
         AddedToken(token, special=True, normalized=False, lstrip=False, rstrip=False, single_word=token in whole_word)
-        for token in slow_class.CONTROL_TOKENS
+        for token in slow_class.CONTROL_TOKENS if token in parsed
     ])
     ids = {token: tokenizer.token_to_id(token) for token in slow_class.CONTROL_TOKENS}
     assert ids == {token: first_id + index for index, token in enumerate(slow_class.CONTROL_TOKENS)}, ids

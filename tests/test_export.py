@@ -1,0 +1,219 @@
+"""tools/export_to_native_glm.py: an original-format checkpoint as transformers' own Glm, loaded with no remote code.
+
+The truths: the golden outputs of the original code (logits and greedy tokens), our slow tokenizers (ids of text and
+of chat templates on the shared vectors), the source folder's bytes before the export.
+"""
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from conftest import REPO, TRANSFORMERS, Version, shared_path
+from tokenizer_fixtures import TOKENIZER_DIRS, load_jsonl
+
+import export_to_native_glm as exporter
+
+pytestmark = pytest.mark.skipif(TRANSFORMERS < Version("4.46"), reason="GlmForCausalLM arrived in transformers 4.46")
+SLOW_TOKENIZER = {"glm4": "glm4_tokenizer", "chatglm3": "chatglm3_tokenizer"}
+RECORDS = {"glm4": "glm4.jsonl", "chatglm3": "chatglm3.jsonl"}
+
+
+def with_tokenizer(folder, family):
+    """The checkpoint as a user has it: the golden checkpoints hold weights only; add the family's tokenizer."""
+    for item in shared_path("tokenizers", TOKENIZER_DIRS[family]).iterdir():
+        shutil.copyfile(item, folder / item.name)
+    return folder
+
+
+def digests(folder) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def exported(golden, tmp_path_factory):
+    """(source folder, its digests before the export, the export) of a golden checkpoint, in shards of 100 kB."""
+    root = tmp_path_factory.mktemp(f"export-{golden.name}")
+    source = with_tokenizer(shutil.copytree(golden.folder, root / "source"), golden.family)
+    before = digests(source)
+    assert exporter.main([str(source), str(root / "native"), "--max-shard-size", "100KB"]) == 0
+    return source, before, root / "native"
+
+
+def load_native(folder):
+    """As a user without remote code loads it."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), **{
+        "dtype" if TRANSFORMERS >= Version("4.56") else "torch_dtype": torch.float32}).eval()
+
+
+def test_the_export_loads_without_remote_code_and_gives_the_golden_logits(golden, exported, golden_model):
+    _, _, native_folder = exported
+    native = load_native(native_folder)
+    assert type(native).__name__ == "GlmForCausalLM"
+    assert len(list(native_folder.glob("model-*-of-*.safetensors"))) > 1  # sharded as asked
+    with torch.no_grad():
+        for i in range(3):
+            ids = golden.expected[f"seq_{i}_input_ids"][None]
+            logits = native(input_ids=ids).logits[0]
+            torch.testing.assert_close(logits, golden.expected[f"seq_{i}_logits"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits, golden_model(input_ids=ids).logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_export_generates_the_golden_greedy_tokens(golden, exported):
+    native = load_native(exported[2])
+    kwargs = {k: v for k, v in golden.gen_kwargs.items() if k not in ("return_dict_in_generate", "output_logits")}
+    for i in range(3):
+        ids = golden.expected[f"seq_{i}_input_ids"][None]
+        out = native.generate(ids, **kwargs)[0, ids.shape[1]:]
+        assert out.tolist() == golden.expected[f"seq_{i}_gen_tokens"].tolist()
+
+
+def test_the_source_folder_is_untouched(exported):
+    source, before, _ = exported
+    assert digests(source) == before
+    assert not [p.name for p in source.parent.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_the_exported_tokenizer_gives_our_ids_on_real_text(golden, exported, request):
+    native = transformers.AutoTokenizer.from_pretrained(str(exported[2]))
+    assert isinstance(native, transformers.PreTrainedTokenizerFast)
+    slow = request.getfixturevalue(SLOW_TOKENIZER[golden.family])
+    texts = [r["text"] for r in load_jsonl("tokvec", RECORDS[golden.family]) if r["kind"] == "encode"]
+    if golden.family == "chatglm3":  # the one documented difference of the fast tokenizer (README, Fast tokenizers)
+        texts = [t for t in texts if "<unk>" not in t and "</s>" not in t]
+    assert len(texts) > 200
+    for text in texts:
+        for special in (True, False):
+            assert native.encode(text, add_special_tokens=special) == slow.encode(text, add_special_tokens=special), \
+                text[:80]
+
+
+def test_the_exported_chat_template_gives_our_chat_ids(golden, exported, request):
+    """Every shared conversation: the export's ids are those of our render-then-encode path (vLLM's, SGLang's), and
+    those of our tokenize=True path unless special-token text inside a message is parsed by rendering (a template
+    rendered to text cannot keep it as text)."""
+    native = transformers.AutoTokenizer.from_pretrained(str(exported[2]))
+    slow = request.getfixturevalue(SLOW_TOKENIZER[golden.family])
+    records = [r for r in load_jsonl("tokvec", RECORDS[golden.family]) if r["kind"] == "chat"]
+    assert len(records) >= 20
+    for record in records:
+        settings = dict(add_generation_prompt=record["add_generation_prompt"])
+        theirs = native.apply_chat_template(record["messages"], tokenize=True, **settings)
+        theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+        rendered = slow.apply_chat_template(record["messages"], tokenize=False, **settings)
+        assert theirs == slow.encode(rendered, add_special_tokens=False), record["id"]
+        if "CHAT-SPECIAL-TOKEN-INJECTION" not in record.get("original_bug_codes", []):
+            assert theirs == list(slow.apply_chat_template(record["messages"], tokenize=True, **settings)), \
+                record["id"]
+
+
+def run_exporter(*args):
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "export_to_native_glm.py"), *map(str, args)],
+                            capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("field,value", [("pre_seq_len", 8), ("vision_config", {"hidden_size": 8}),
+                                         ("quantization_bit", 4), ("add_bias_linear", True), ("rmsnorm", False),
+                                         ("model_type", "llama")])
+def test_what_glm_cannot_hold_is_refused_naming_it(exported, tmp_path, field, value):
+    source = shutil.copytree(exported[0], tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    config[field] = value
+    (source / "config.json").write_text(json.dumps(config))
+    code, output = run_exporter(source, tmp_path / "native")
+    assert code == 2 and field in output, output
+    assert not (tmp_path / "native").exists()
+
+
+def test_an_existing_output_or_one_inside_the_source_is_refused(exported, tmp_path):
+    source = exported[0]
+    (tmp_path / "taken").mkdir()
+    for output, says in ((tmp_path / "taken", "exists"), (source / "native", "inside the checkpoint")):
+        code, message = run_exporter(source, output)
+        assert code == 2 and says in message, message
+    assert not (source / "native").exists()
+
+
+def test_a_failing_export_leaves_no_output(exported, tmp_path):
+    """A weight missing half-way through: nothing appears, no staging folder is left, exit code 2 naming it."""
+    from safetensors.torch import load_file, save_file
+
+    source = shutil.copytree(exported[0], tmp_path / "source")
+    weights = load_file(str(source / "model.safetensors"))
+    del weights["transformer.encoder.layers.1.mlp.dense_4h_to_h.weight"]
+    save_file(weights, str(source / "model.safetensors"), metadata={"format": "pt"})
+    code, output = run_exporter(source, tmp_path / "native", "--max-shard-size", "10KB")
+    assert code == 2 and "layers.1.mlp.dense_4h_to_h" in output, output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+MEMORY_PROBE = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[3])
+import export_to_native_glm as exporter
+
+def anonymous_rss():  # anonymous memory only: the memory-mapped source pages are the file's, not a copy
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+peak, done = [anonymous_rss()], []
+baseline = peak[0]
+def sample():
+    while not done:
+        peak.append(max(peak[-1], anonymous_rss()))
+        time.sleep(0.002)
+thread = threading.Thread(target=sample)
+thread.start()
+code = exporter.main([sys.argv[1], sys.argv[2], "--max-shard-size", "48MB"])
+done.append(1)
+thread.join()
+print(code, peak[-1] - baseline)
+"""
+
+
+@pytest.mark.matrix_ends
+def test_export_memory_is_bounded_by_a_shard_not_the_model(tmp_path):
+    """A 430 MB checkpoint exported in 48 MB shards: the export's anonymous memory stays near one shard (plus the
+    largest tensor being copied), far below the model."""
+    from safetensors.torch import save_file
+
+    config = json.loads(shared_path("configs", "chatglm3-6b", "config.json").read_text())
+    config.update(hidden_size=1024, num_attention_heads=8, kv_channels=128, multi_query_group_num=2,
+                  ffn_hidden_size=2048, num_layers=10, num_hidden_layers=10, padded_vocab_size=8192)
+    (tmp_path / "big").mkdir()
+    source = with_tokenizer(tmp_path / "big", "chatglm3")
+    (source / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(0)
+    qkv = (8 + 2 * 2) * 128
+    shards = [{"transformer.embedding.word_embeddings.weight": torch.randn(8192, 1024, generator=generator),
+               "transformer.encoder.final_layernorm.weight": torch.ones(1024),
+               "transformer.output_layer.weight": torch.randn(8192, 1024, generator=generator)}]
+    for i in range(10):
+        p = f"transformer.encoder.layers.{i}."
+        shards.append({p + "input_layernorm.weight": torch.ones(1024),
+                       p + "post_attention_layernorm.weight": torch.ones(1024),
+                       p + "self_attention.query_key_value.weight": torch.randn(qkv, 1024, generator=generator),
+                       p + "self_attention.query_key_value.bias": torch.randn(qkv, generator=generator),
+                       p + "self_attention.dense.weight": torch.randn(1024, 1024, generator=generator),
+                       p + "mlp.dense_h_to_4h.weight": torch.randn(4096, 1024, generator=generator),
+                       p + "mlp.dense_4h_to_h.weight": torch.randn(1024, 2048, generator=generator)})
+    weight_map, model_bytes = {}, 0
+    for n, shard in enumerate(shards):
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(source / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        model_bytes += sum(t.numel() * 4 for t in shard.values())
+    (source / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    del shards
+    result = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(source), str(tmp_path / "native"),
+                             str(REPO / "tools")], capture_output=True, text=True, timeout=600)
+    code, peak = map(int, result.stdout.split()[-2:])
+    assert code == 0, result.stdout + result.stderr
+    assert model_bytes > 400e6 and peak < 3 * 48e6, (model_bytes, peak)
+    index = json.loads((tmp_path / "native" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == model_bytes
