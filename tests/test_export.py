@@ -54,6 +54,9 @@ def test_the_export_loads_without_remote_code_and_gives_the_golden_logits(golden
     _, _, native_folder = exported
     native = load_native(native_folder)
     assert type(native).__name__ == "GlmForCausalLM"
+    written = json.loads((native_folder / "config.json").read_text())
+    source_ratio = json.loads((golden.folder / "config.json").read_text()).get("rope_ratio", 1)
+    assert written["rope_ratio"] == source_ratio  # what llama.cpp's converter reads for the rotary base
     assert len(list(native_folder.glob("model-*-of-*.safetensors"))) > 1  # sharded as asked
     with torch.no_grad():
         for i in range(3):

@@ -304,6 +304,9 @@ def write_config(folder: Path, sizes, dtype, eos: list, pad_id: int) -> None:
     path = folder / "config.json"
     content = json.loads(path.read_text())
     content["torch_dtype"] = str(dtype).removeprefix("torch.")
+    # llama.cpp's convert_hf_to_gguf.py reads the rotary base of a Glm checkpoint from rope_ratio alone (without it,
+    # 10000); transformers keeps the extra key as an attribute and uses rope_theta.
+    content["rope_ratio"] = sizes.rope_ratio
     if "dtype" in content:
         content["dtype"] = content["torch_dtype"]
     path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
