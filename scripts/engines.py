@@ -254,13 +254,17 @@ def orchestrate(args) -> int:
         else:
             export_error = f"no exporter: {exporter.relative_to(REPO)} is missing"
         # (label, engine, model, extra arguments, why it cannot run, counted in the exit status)
+        # llama.cpp's converter takes GLM-4 as a Glm export (its ChatGLM path needs `vocab_size`, which the original
+        # config.json lacks) and ChatGLM3 as the original folder (its Glm path does not know the pre-tokenizer of a
+        # BPE derived from SentencePiece): each family's working route counts, the other is shown as information.
+        export_for_llama = family == "glm4"
         checks = [
             ("vLLM, trust_remote_code", "vllm", ours_folder, ["--trust-remote-code"], "", True),
             ("vLLM, native export", "vllm", native, [], export_error, True),
-            ("llama.cpp, GGUF of native export", "llama", native, [], export_error, True),
-            # Not a route we promise (GLM-4's folder does not convert): shown so that the table tells users which
-            # folders llama.cpp's converter takes as they are.
-            ("llama.cpp, GGUF of folder with our files (info)", "llama", ours_folder, [], "", False),
+            ("llama.cpp, GGUF of native export" + ("" if export_for_llama else " (info)"), "llama", native, [],
+             export_error, export_for_llama),
+            ("llama.cpp, GGUF of folder with our files" + (" (info)" if export_for_llama else ""), "llama",
+             ours_folder, [], "", not export_for_llama),
         ]
         for label, engine, model, extra, cannot, counted in checks:
             if args.engines and engine not in args.engines:
