@@ -194,32 +194,20 @@ class Piece:
 
 
 def native_pieces(weights: SourceWeights, sizes: SimpleNamespace) -> list:
-    """The export's tensors in Glm's names, in checkpoint order (tools/native_glm.py's mapping), from the source's
+    """The export's tensors in Glm's names and checkpoint order (tools/native_glm.py's mapping), from the source's
     metadata alone: the fused query_key_value is cut into q/k/v rows."""
-    def whole(key, source):
-        return Piece(key, source, *weights.meta(source))
+    from native_glm import glm_weight_map, key_value_heads
 
-    pieces = [whole("model.embed_tokens.weight", "transformer.embedding.word_embeddings.weight")]
-    q, kv = sizes.num_attention_heads * sizes.kv_channels, sizes.multi_query_group_num * sizes.kv_channels
-    for i in range(sizes.num_layers):
-        src, dst = f"transformer.encoder.layers.{i}.", f"model.layers.{i}."
-        pieces.append(whole(dst + "input_layernorm.weight", src + "input_layernorm.weight"))
-        for part in ("weight", "bias"):
-            fused = src + f"self_attention.query_key_value.{part}"
-            if part == "bias" and not weights.has(fused):
-                continue
-            shape, dtype = weights.meta(fused)
-            if shape[0] != q + 2 * kv:
-                raise Refused(f"{fused} has {shape[0]} rows; the config's heads give {q + 2 * kv}")
-            for name, (start, stop) in zip(("q_proj", "k_proj", "v_proj"), ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
-                pieces.append(Piece(dst + f"self_attn.{name}.{part}", fused, (stop - start,) + shape[1:], dtype,
-                                    start, stop))
-        pieces.append(whole(dst + "self_attn.o_proj.weight", src + "self_attention.dense.weight"))
-        pieces.append(whole(dst + "post_attention_layernorm.weight", src + "post_attention_layernorm.weight"))
-        pieces.append(whole(dst + "mlp.gate_up_proj.weight", src + "mlp.dense_h_to_4h.weight"))
-        pieces.append(whole(dst + "mlp.down_proj.weight", src + "mlp.dense_4h_to_h.weight"))
-    pieces.append(whole("model.norm.weight", "transformer.encoder.final_layernorm.weight"))
-    pieces.append(whole("lm_head.weight", "transformer.output_layer.weight"))
+    fused_rows = (sizes.num_attention_heads + 2 * key_value_heads(sizes)) * sizes.kv_channels
+    pieces = []
+    for key, source, rows in glm_weight_map(sizes, weights.has):
+        shape, dtype = weights.meta(source)
+        if rows is None:
+            pieces.append(Piece(key, source, shape, dtype))
+            continue
+        if shape[0] != fused_rows:
+            raise Refused(f"{source} has {shape[0]} rows; the config's heads give {fused_rows}")
+        pieces.append(Piece(key, source, (rows[1] - rows[0],) + shape[1:], dtype, *rows))
     return pieces
 
 
@@ -273,14 +261,13 @@ def write_shards(pieces: list, weights: SourceWeights, folder: Path, max_shard_b
 # ---------------------------------------------------------------------------------------------------------------------
 
 def glm_sizes(config: dict) -> SimpleNamespace:
-    """What tools/native_glm.py reads of a ChatGLMConfig, from config.json (key/value heads: the query heads without
-    multi-query attention)."""
+    """What tools/native_glm.py reads of a ChatGLMConfig, from config.json."""
     return SimpleNamespace(
         padded_vocab_size=config["padded_vocab_size"], hidden_size=config["hidden_size"],
         ffn_hidden_size=config["ffn_hidden_size"], num_layers=config["num_layers"],
         num_attention_heads=config["num_attention_heads"], kv_channels=config["kv_channels"],
-        multi_query_group_num=config.get("multi_query_group_num", 1) if config.get("multi_query_attention")
-        else config["num_attention_heads"],
+        multi_query_attention=config.get("multi_query_attention", False),
+        multi_query_group_num=config.get("multi_query_group_num", 1),
         layernorm_epsilon=config.get("layernorm_epsilon", 1e-5), add_qkv_bias=config.get("add_qkv_bias", False),
         seq_length=config.get("seq_length", 2048), rope_ratio=config.get("rope_ratio", 1),
     )

@@ -24,7 +24,7 @@ def native_glm_config(config, rope_theta=None):
         intermediate_size=config.ffn_hidden_size,
         num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.multi_query_group_num,
+        num_key_value_heads=key_value_heads(config),
         head_dim=config.kv_channels,
         rms_norm_eps=config.layernorm_epsilon,
         attention_bias=config.add_qkv_bias,
@@ -42,28 +42,40 @@ def native_glm_config(config, rope_theta=None):
     return transformers.GlmConfig(**fields)
 
 
-def convert_state_dict(state_dict, config):
-    """ChatGLM keys and layout -> GlmForCausalLM's."""
+def key_value_heads(config) -> int:
+    """Heads of keys and values: the multi-query groups, or every head without multi-query attention."""
+    if getattr(config, "multi_query_attention", True):
+        return config.multi_query_group_num
+    return config.num_attention_heads
+
+
+def glm_weight_map(config, has):
+    """(Glm key, ChatGLM key, rows) of every Glm weight, in checkpoint order: `rows` is the (start, stop) slice of the
+    fused query_key_value that makes q, k or v, else None. `has(key)` tells whether the checkpoint holds the optional
+    query_key_value bias."""
     q = config.num_attention_heads * config.kv_channels
-    kv = config.multi_query_group_num * config.kv_channels
-    out = {
-        "model.embed_tokens.weight": state_dict["transformer.embedding.word_embeddings.weight"],
-        "model.norm.weight": state_dict["transformer.encoder.final_layernorm.weight"],
-        "lm_head.weight": state_dict["transformer.output_layer.weight"],
-    }
+    kv = key_value_heads(config) * config.kv_channels
+    yield "model.embed_tokens.weight", "transformer.embedding.word_embeddings.weight", None
     for i in range(config.num_layers):
         src, dst = f"transformer.encoder.layers.{i}.", f"model.layers.{i}."
+        yield dst + "input_layernorm.weight", src + "input_layernorm.weight", None
         for part in ("weight", "bias"):
-            fused = state_dict.get(src + f"self_attention.query_key_value.{part}")
-            if fused is not None:
-                for name, piece in zip(("q_proj", "k_proj", "v_proj"), fused.split([q, kv, kv], dim=0)):
-                    out[dst + f"self_attn.{name}.{part}"] = piece
-        out[dst + "self_attn.o_proj.weight"] = state_dict[src + "self_attention.dense.weight"]
-        out[dst + "mlp.gate_up_proj.weight"] = state_dict[src + "mlp.dense_h_to_4h.weight"]
-        out[dst + "mlp.down_proj.weight"] = state_dict[src + "mlp.dense_4h_to_h.weight"]
-        out[dst + "input_layernorm.weight"] = state_dict[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = state_dict[src + "post_attention_layernorm.weight"]
-    return out
+            fused = src + f"self_attention.query_key_value.{part}"
+            if part == "weight" or has(fused):
+                for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
+                    yield dst + f"self_attn.{name}.{part}", fused, rows
+        yield dst + "self_attn.o_proj.weight", src + "self_attention.dense.weight", None
+        yield dst + "post_attention_layernorm.weight", src + "post_attention_layernorm.weight", None
+        yield dst + "mlp.gate_up_proj.weight", src + "mlp.dense_h_to_4h.weight", None
+        yield dst + "mlp.down_proj.weight", src + "mlp.dense_4h_to_h.weight", None
+    yield "model.norm.weight", "transformer.encoder.final_layernorm.weight", None
+    yield "lm_head.weight", "transformer.output_layer.weight", None
+
+
+def convert_state_dict(state_dict, config):
+    """ChatGLM keys and layout -> GlmForCausalLM's."""
+    return {glm: state_dict[source] if rows is None else state_dict[source][rows[0]:rows[1]]
+            for glm, source, rows in glm_weight_map(config, state_dict.__contains__)}
 
 
 def native_glm(model, rope_theta=None, attn_implementation="eager"):
