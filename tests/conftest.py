@@ -195,6 +195,8 @@ def golden_model(golden):
 # Small shapes that keep every feature in play: grouped-query attention, several layers, rotary on half a head.
 TINY_SIZES = dict(hidden_size=64, num_attention_heads=4, kv_channels=16, ffn_hidden_size=96, padded_vocab_size=256,
                   num_layers=3, multi_query_group_num=2, seq_length=256)
+# padded_vocab_size of the released checkpoints: tiny models that take the real tokenizers' ids.
+REAL_VOCABULARY = {"glm4": 151552, "chatglm3": 65024}
 FAMILY_CONFIGS = {"glm4": ("configs", "glm-4-9b-chat", "config.json"),
                   "chatglm3": ("configs", "chatglm3-6b", "config.json")}
 

@@ -5,10 +5,8 @@ import sys
 import pytest
 import torch
 
-from conftest import optional_package
+from conftest import REAL_VOCABULARY, optional_package
 
-# The real vocabularies (the tokenizer's ids must be in range); small everything else.
-CHAT_VOCAB = {"chatglm3": 65024, "glm4": 151552}
 TOKENIZER = {"chatglm3": "chatglm3_tokenizer", "glm4": "glm4_tokenizer"}
 GREEDY = dict(do_sample=False, max_length=None, max_new_tokens=12)
 
@@ -16,7 +14,7 @@ GREEDY = dict(do_sample=False, max_length=None, max_new_tokens=12)
 @pytest.fixture(scope="module", params=["chatglm3", "glm4"])
 def chat_setup(request, tiny_model):
     family = request.param
-    model = tiny_model(family, padded_vocab_size=CHAT_VOCAB[family], hidden_size=32, num_attention_heads=2,
+    model = tiny_model(family, padded_vocab_size=REAL_VOCABULARY[family], hidden_size=32, num_attention_heads=2,
                        kv_channels=16, ffn_hidden_size=48, num_layers=2)
     return family, model, request.getfixturevalue(TOKENIZER[family])
 

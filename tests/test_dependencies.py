@@ -11,10 +11,9 @@ import sys
 import pytest
 from transformers.dynamic_module_utils import get_imports
 
-from conftest import REPO, copy_code_into, save_checkpoint
+from conftest import REAL_VOCABULARY, REPO, save_checkpoint
 from tokenizer_fixtures import make_tokenizer_folder
 
-REAL_VOCABULARY = {"glm4": 151552, "chatglm3": 65024}  # padded_vocab_size of the released checkpoints
 DEPENDENCIES = {"torch", "transformers", "accelerate", "safetensors", "sentencepiece", "tiktoken"}
 OPTIONAL = ("PIL", "peft", "torchao", "optimum", "trl", "torchvision", "bitsandbytes")
 CODE_FILES = ("modeling_chatglm.py", "configuration_chatglm.py", "tokenization_chatglm.py", "visual.py",

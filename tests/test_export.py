@@ -14,20 +14,13 @@ import torch
 import transformers
 
 from conftest import REPO, TRANSFORMERS, Version, shared_path
-from tokenizer_fixtures import TOKENIZER_DIRS, load_jsonl
+from tokenizer_fixtures import load_jsonl, make_tokenizer_folder
 
 import export_to_native_glm as exporter
 
 pytestmark = pytest.mark.skipif(TRANSFORMERS < Version("4.46"), reason="GlmForCausalLM arrived in transformers 4.46")
 SLOW_TOKENIZER = {"glm4": "glm4_tokenizer", "chatglm3": "chatglm3_tokenizer"}
 RECORDS = {"glm4": "glm4.jsonl", "chatglm3": "chatglm3.jsonl"}
-
-
-def with_tokenizer(folder, family):
-    """The checkpoint as a user has it: the golden checkpoints hold weights only; add the family's tokenizer."""
-    for item in shared_path("tokenizers", TOKENIZER_DIRS[family]).iterdir():
-        shutil.copyfile(item, folder / item.name)
-    return folder
 
 
 def digests(folder) -> dict:
@@ -38,7 +31,8 @@ def digests(folder) -> dict:
 def exported(golden, tmp_path_factory):
     """(source folder, its digests before the export, the export) of a golden checkpoint, in shards of 100 kB."""
     root = tmp_path_factory.mktemp(f"export-{golden.name}")
-    source = with_tokenizer(shutil.copytree(golden.folder, root / "source"), golden.family)
+    # The checkpoint as a user has it: the golden checkpoints hold weights only; the family's tokenizer is added.
+    source = make_tokenizer_folder(shutil.copytree(golden.folder, root / "source"), golden.family)
     before = digests(source)
     assert exporter.main([str(source), str(root / "native"), "--max-shard-size", "100KB"]) == 0
     return source, before, root / "native"
@@ -188,8 +182,7 @@ def test_export_memory_is_bounded_by_a_shard_not_the_model(tmp_path):
     config = json.loads(shared_path("configs", "chatglm3-6b", "config.json").read_text())
     config.update(hidden_size=1024, num_attention_heads=8, kv_channels=128, multi_query_group_num=2,
                   ffn_hidden_size=2048, num_layers=10, num_hidden_layers=10, padded_vocab_size=8192)
-    (tmp_path / "big").mkdir()
-    source = with_tokenizer(tmp_path / "big", "chatglm3")
+    source = make_tokenizer_folder(tmp_path / "big", "chatglm3")
     (source / "config.json").write_text(json.dumps(config))
     generator = torch.Generator().manual_seed(0)
     qkv = (8 + 2 * 2) * 128

@@ -14,11 +14,10 @@ import torch
 import transformers
 from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-from conftest import optional_package, save_checkpoint
+from conftest import REAL_VOCABULARY, optional_package, save_checkpoint
 from tokenizer_fixtures import make_tokenizer_folder
 from virtual_devices import pipeline_device_map, virtual_devices
 
-REAL_VOCABULARY = {"glm4": 151552, "chatglm3": 65024}
 SYSTEM = "Suppose you are the woman beside the emperor: Zhen Huan."
 EXAMPLES = [
     {"instruction": "Who are you?", "input": "", "output": "My father is Zhen Yuandao, an official of the court."},
