@@ -2254,6 +2254,8 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
     """transformers 4.44 / 4.45 (kept beside its only caller): keep the tokens the cache has not seen, given by
     `cache_position`, and the prompt embeddings on the first step only. A static cache gets its mask at full length,
     so that a compiled decode step sees the same shapes at every position (as later versions do)."""
+    if isinstance(past_key_values, (tuple, list)):  # the forward returns the legacy format it was given (PEFT's)
+        past_key_values = cache_from_legacy(past_key_values)
     past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
     first_step = past_length == 0
     if cache_position is None:
@@ -2268,6 +2270,10 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
     else:
         model_inputs = {"input_ids": input_ids.clone(memory_format=torch.contiguous_format)}
     static_length = max_cache_length(past_key_values) if past_key_values is not None else None
+    if first_step and type(past_key_values) is DynamicCache:
+        # The empty cache generate() made: passed as None, the forward makes its own. PEFT before 0.13 (the PEFT of
+        # these releases) injects its prefix-tuning key/values only where the cache it is handed is None.
+        past_key_values = None
     if static_length and attention_mask is not None and attention_mask.dim() == 2:
         if position_ids is None:  # the padding mask is about to become 4D: positions from it first
             position_ids = ChatGLMModel.default_position_ids(attention_mask, None, new_tokens)

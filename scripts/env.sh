@@ -34,16 +34,20 @@ use_transformers() {
   if [ "$have" != "$want" ]; then
     pip_install "transformers==$want"
   fi
-  # TRL as users of that release have it (its SFTTrainer recipe in tests/test_recipes.py): the TRL release of the
-  # same months, which names that transformers among those it supports.
+  # PEFT and TRL as users of that release have them (the LoRA and SFTTrainer recipes in tests/test_recipes.py): the
+  # releases of the same months, which name that transformers among those they support. PEFT 0.14 to 0.18 cannot
+  # apply LoRA beside the torchao that torch 2.13 needs (they import its removed LinearActivationQuantizedTensor):
+  # the releases of their months get 0.19.1, the oldest PEFT that can.
   if [ "${CHATGLM_MINIMAL:-0}" != 1 ]; then
-    local trl
+    local trl peft
     case "$want" in
-      4.44.*|4.45.*) trl=0.11.4 ;; 4.46.*|4.47.*) trl=0.12.2 ;; 4.48.*|4.49.*|4.50.*) trl=0.15.2 ;;
-      4.51.*|4.52.*|4.53.*|4.54.*|4.55.*) trl=0.19.1 ;; *) trl=1.16.0 ;;
+      4.44.*|4.45.*) trl=0.11.4 peft=0.12.0 ;; 4.46.*|4.47.*) trl=0.12.2 peft=0.13.2 ;;
+      4.48.*|4.49.*|4.50.*) trl=0.15.2 peft=0.19.1 ;; 4.51.*|4.52.*|4.53.*|4.54.*|4.55.*) trl=0.19.1 peft=0.19.1 ;;
+      4.*|5.0.*|5.1.*|5.2.*) trl=1.16.0 peft=0.19.1 ;; *) trl=1.16.0 peft=0.21.2 ;;
     esac
-    if [ "$("$PY" -c 'import trl; print(trl.__version__)' 2>/dev/null || true)" != "$trl" ]; then
-      pip_install "trl==$trl" "transformers==$want"
+    if [ "$("$PY" -c 'import trl; print(trl.__version__)' 2>/dev/null || true)" != "$trl" ] || \
+       [ "$("$PY" -c 'import peft; print(peft.__version__)' 2>/dev/null || true)" != "$peft" ]; then
+      pip_install "trl==$trl" "peft==$peft" "transformers==$want"
     fi
   fi
 }
