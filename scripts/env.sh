@@ -19,12 +19,13 @@ if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2
   pip_install torch==2.13.0
 fi
 # The six dependencies and the test runner; then, unless CHATGLM_MINIMAL=1, what the tests exercise as users do:
-# PEFT (LoRA recipes), Pillow (GLM-4V images), torchao and optimum-quanto (model.quantize()).
+# Pillow (GLM-4V images), torchao and optimum-quanto (model.quantize()); PEFT and TRL come with each transformers
+# release below, pinned to that release.
 if ! "$PY" -c 'import accelerate, safetensors, sentencepiece, tiktoken, pytest, hypothesis' 2>/dev/null; then
   pip_install accelerate safetensors sentencepiece tiktoken pytest hypothesis
 fi
-if [ "${CHATGLM_MINIMAL:-0}" != 1 ] && ! "$PY" -c 'import peft, PIL, torchao, optimum.quanto' 2>/dev/null; then
-  pip_install peft pillow torchao optimum-quanto
+if [ "${CHATGLM_MINIMAL:-0}" != 1 ] && ! "$PY" -c 'import PIL, torchao, optimum.quanto' 2>/dev/null; then
+  pip_install pillow torchao optimum-quanto
 fi
 
 # use_transformers VERSION: swap the transformers release in the venv (its own tokenizers/huggingface-hub follow).
@@ -47,7 +48,8 @@ use_transformers() {
     esac
     if [ "$("$PY" -c 'import trl; print(trl.__version__)' 2>/dev/null || true)" != "$trl" ] || \
        [ "$("$PY" -c 'import peft; print(peft.__version__)' 2>/dev/null || true)" != "$peft" ]; then
-      pip_install "trl==$trl" "peft==$peft" "transformers==$want"
+      # rich: TRL 0.11 imports it without declaring it (a newer huggingface-hub's typer used to bring it).
+      pip_install "trl==$trl" "peft==$peft" rich "transformers==$want"
     fi
   fi
 }
