@@ -193,7 +193,10 @@ class ChatGLMConfig(PretrainedConfig):
         self.use_cache = use_cache
         super().__init__(**kwargs)
         self.validate_chatglm()
-        # GLM-4 configs carry num_hidden_layers too; a disagreement would silently build the wrong size.
+        self.check_aliases(aliases)
+
+    def check_aliases(self, aliases: dict):
+        """GLM-4 configs carry num_hidden_layers too; a disagreement would silently build the wrong size."""
         for alias, (field, value) in aliases.items():
             if value is None:
                 continue

@@ -1,12 +1,34 @@
 """ChatGLM2/3 and GLM-4: one decoder-only architecture, drop-in for the original remote code.
 
-Reads top to bottom: compatibility layer, config-derived sizes, device boundaries, rotary embedding, attention,
-MLP, block, stack, P-tuning v2 prefix, base model, heads. Class names, module attribute names and state-dict keys are the original
-checkpoints' (`transformer.embedding.word_embeddings`, `transformer.encoder.layers.N.self_attention.query_key_value`,
-`transformer.output_layer`, ...), so a checkpoint saved by the original code loads with no missing or unexpected key.
+Class names, module attribute names and state-dict keys are the original checkpoints' (`transformer.embedding.
+word_embeddings`, `transformer.encoder.layers.N.self_attention.query_key_value`, `transformer.output_layer`, ...), so a
+checkpoint saved by the original code loads with no missing or unexpected key. This file also works copied alone over
+an original checkpoint folder (it reads only the fields the original configuration classes define).
 
-Every place where a tensor moves to another device goes through `device_boundary(...)`: search for that name to list
-them all. No boundary relies on accelerate's hooks moving a tensor.
+Sections, in order: compatibility shims (each naming the transformers releases that need it); config, sizes and
+checks; devices; KV cache; rotary embedding; attention (kernels, their dispatch, the mask builder, SelfAttention); MLP
+and norms; block and stack; base model; companion files; P-tuning v2 prefix and GLM-4V vision, each entering the base
+model's forward at one seam (`enter_prefix`, `enter_vision`); chat and quantize (a mixin the causal-LM head inherits);
+heads. Every place where a tensor moves to another device goes through `device_boundary(...)`: search for that name to
+list them all. No boundary relies on accelerate's hooks moving a tensor.
+
+Where to change what (section: names):
+  a new attention kernel        Attention: `attention_function` (dispatch), `build_attention_mask` (the mask it
+                                takes); its `_supports_*` flag on ChatGLMPreTrainedModel
+  the KV cache                  KV cache: `cache_for_forward`, `new_static_cache`, `cached_length` (checks); layers
+                                write only through `past_key_values.update` in SelfAttention
+  the KV cache across devices   each layer's keys stay on its device (SelfAttention's update); Devices:
+                                `device_boundary`, and `LayerInputs` (Attention) copies per-layer inputs per device
+  a device map, or its checks   Devices: `balanced_device_map`, `check_device_map`, `check_devices_exist`
+  a new transformers release    Compatibility shims: one flag or function per change, naming the release
+  a new checkpoint variant      Config, sizes and checks: `check_supported`, `complete_original_config`, and
+                                configuration_chatglm.py (its fields and validation)
+  P-tuning v2 prefixes          P-tuning v2 prefix: `enter_prefix` (the seam), `PrefixEncoder`
+  GLM-4V images                 visual.py: `EVA2CLIPModel.splice` (the seam); here `vision_tower`, `enter_vision`
+  a chat-template fix           tokenization_chatglm.py (this file only calls the tokenizer); chat() itself:
+                                Chat, `ChatMixin`, `chat_inputs`, `parse_tool_call`
+  loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
+  tensor parallelism            parallel_chatglm.py
 """
 
 import ast
@@ -21,7 +43,7 @@ import warnings
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Iterable, Optional, Tuple, Union
+from typing import Iterable, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -50,26 +72,33 @@ from .configuration_chatglm import ChatGLMConfig
 
 logger = logging.get_logger(__name__)
 
+
 # ======================================================================================================================
-# Compatibility layer: transformers 4.44.2 ... 5.x. Each shim names the versions that need it.
+# Compatibility shims: transformers 4.44.2 ... 5.x. Each names the releases that need it; nothing else lives here.
 # ======================================================================================================================
+
 
 try:  # the attention-function registry appeared in 4.48
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 except ImportError:
     ALL_ATTENTION_FUNCTIONS = None
 
+
 try:  # transformers' own sdpa kernel (4.48+): until 5.x added `pack_gqa` it expanded the key/value groups to every
     # head at every step (4.49, 4.53) or at every masked step (4.57, 5.0): a copy of each layer's cache per step.
     from transformers.integrations import sdpa_attention as _transformers_sdpa
 except ImportError:
     _transformers_sdpa = None
+
+
 _TRANSFORMERS_SDPA_EXPANDS_GROUPS = _transformers_sdpa is not None and not hasattr(_transformers_sdpa, "pack_gqa")
 
 try:  # the shared loss functions appeared in 4.46; their causal-LM loss takes `shift_labels` since 4.50
     from transformers.loss.loss_utils import ForCausalLMLoss as causal_lm_loss
 except ImportError:
     causal_lm_loss = None
+
+
 if causal_lm_loss is None or "shift_labels" not in inspect.signature(causal_lm_loss).parameters:
 
     def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
@@ -118,51 +147,24 @@ try:  # 5.0: init functions that skip tensors already loaded from a checkpoint
 except ImportError:
     weight_init = nn.init
 
+
 # 4.46 to 4.52 do not register a remote-code model class for its auto class when they load it, so save_pretrained
 # wrote no code files beside the weights: the heads name theirs (`_auto_class`), as other versions set it.
 
 # 4.56 added DynamicCache(config=...), and 5.0 builds its layers from the config.
 _DYNAMIC_CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
+
+
 # 5.x's Trainer calls activation_checkpointing_enable(activation_checkpointing_kwargs, every_n_layers, offload), with
 # gradient_checkpointing_enable() a deprecated alias of it; earlier releases have gradient_checkpointing_enable only.
 # The model overrides whichever is the entry point, so the Trainer never reaches the alias (and its warning).
 _HAS_ACTIVATION_CHECKPOINTING = hasattr(PreTrainedModel, "activation_checkpointing_enable")
+
+
 # 4.44 and 4.45 have no generic GenerationMixin.prepare_inputs_for_generation (the 4.44 one only raises).
 _HAS_GENERIC_PREPARE_INPUTS = "past_key_values" in inspect.signature(
     GenerationMixin.prepare_inputs_for_generation
 ).parameters
-
-
-def new_dynamic_cache(config: ChatGLMConfig) -> DynamicCache:
-    return DynamicCache(**dynamic_cache_kwargs(config))
-
-
-def dynamic_cache_kwargs(config: ChatGLMConfig) -> dict:
-    return {"config": config} if _DYNAMIC_CACHE_TAKES_CONFIG else {}
-
-
-def new_static_cache(config: ChatGLMConfig, batch_size: int, max_cache_len: int, dtype: torch.dtype,
-                     layer_devices: list) -> StaticCache:
-    """A StaticCache built by hand. 4.44-4.55 allocate it up front (batch size, dtype, a device; 4.47-4.55 put each
-    layer on its own with `layer_device_map`); 4.56+ allocate each layer lazily where its first keys arrive."""
-    accepted = inspect.signature(StaticCache.__init__).parameters
-    batch_name = "max_batch_size" if "max_batch_size" in accepted else "batch_size"
-    optional = {batch_name: batch_size, "dtype": dtype, "device": layer_devices[0]}
-    if len(set(layer_devices)) > 1:
-        optional["layer_device_map"] = dict(enumerate(layer_devices))
-    return StaticCache(config=config, max_cache_len=max_cache_len,
-                       **{name: value for name, value in optional.items() if name in accepted})
-
-
-def cache_from_legacy(past_key_values) -> DynamicCache:
-    """A tuple of (key, value) per layer, each [batch, kv_heads, seq, head_dim]; accepted where transformers still
-    converts them (< 5.0)."""
-    if not hasattr(DynamicCache, "from_legacy_cache"):
-        raise TypeError(
-            f"past_key_values as a tuple of tensors is not supported with transformers {transformers.__version__}: "
-            "pass the Cache object a previous call returned (or a transformers DynamicCache)."
-        )
-    return DynamicCache.from_legacy_cache(past_key_values)
 
 
 # The static cache's length is `get_max_length` on 4.44, `get_max_cache_shape` on 4.46 to 5.x (4.46 to 4.57 log a
@@ -176,56 +178,10 @@ _MAX_LENGTH_QUERY = (
 )
 
 
-def max_cache_length(cache: Cache) -> Optional[int]:
-    """Preallocated length of a static cache, None for a cache that grows."""
-    if isinstance(cache, DynamicCache):
-        return None
-    length = getattr(cache, _MAX_LENGTH_QUERY)()
-    return int(length) if length is not None and length > 0 else None
-
-
-def attention_function(implementation: str):
-    """The attention kernel for `config._attn_implementation`: our eager one (it honours the original's fp32
-    softmax and query-key layer scaling), else transformers' registry; for sdpa our grouped kernel where
-    transformers has none (before 4.48) or its own expands the key/value groups (before 5.x's `pack_gqa`)."""
-    if implementation in (None, "eager"):
-        return eager_attention_forward
-    if ALL_ATTENTION_FUNCTIONS is None:
-        if implementation == "sdpa":
-            return sdpa_grouped_attention_forward
-        raise ValueError(
-            f"attn_implementation={implementation!r} needs transformers >= 4.48 with this model; "
-            f"{transformers.__version__} is installed. Use 'sdpa' or 'eager', or upgrade transformers."
-        )
-    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
-        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-    else:
-        kernel = ALL_ATTENTION_FUNCTIONS[implementation]
-    if _TRANSFORMERS_SDPA_EXPANDS_GROUPS and kernel is _transformers_sdpa.sdpa_attention_forward:
-        return sdpa_grouped_attention_forward  # (a kernel registered over "sdpa" by the user is kept)
-    return kernel
-
-
-def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA with the key/value groups kept as groups, so that no decode step copies the cache: one new token's query
-    heads attend as rows of their group (a mask broadcasts over them), an unmasked prompt uses torch's `enable_gqa`.
-    A masked prompt expands the groups once (CUDA's fused kernels take a mask or groups, not both), as transformers
-    does."""
-    batch, heads, query_length, dim = query.shape
-    groups = module.num_key_value_groups
-    if groups > 1 and query_length == 1:
-        out = F.scaled_dot_product_attention(
-            query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask,
-            dropout_p=dropout, scale=scaling,
-        ).reshape(batch, heads, 1, dim)
-    else:
-        if attention_mask is not None:
-            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            is_causal=attention_mask is None and query_length > 1, enable_gqa=attention_mask is None and groups > 1,
-        )
-    return out.transpose(1, 2).contiguous(), None
+def is_compiling() -> bool:
+    """torch.compiler.is_compiling (torch >= 2.3; False where torch lacks it)."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def static_cache_mask_before_4_53(attention_mask, sequence_length, target_length, cache_position, config,
@@ -235,6 +191,50 @@ def static_cache_mask_before_4_53(attention_mask, sequence_length, target_length
     prepare_inputs_before_4_46)."""
     return build_attention_mask(attention_implementation(config, False), attention_mask, cache_position[None],
                                 target_length, batch_size=attention_mask.shape[0], preallocated=True)
+
+
+def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, position_ids, inputs_embeds,
+                               cache_position=None, use_cache=True, config=None, **kwargs):
+    """transformers 4.44 / 4.45, whose GenerationMixin has no generic input preparation: keep the tokens the cache
+    has not seen, given by `cache_position`, and the prompt embeddings on the first step only. A static cache gets its
+    mask at full length, so that a compiled decode step sees the same shapes at every position (as later versions
+    do)."""
+    if isinstance(past_key_values, (tuple, list)):  # the forward returns the legacy format it was given (PEFT's)
+        past_key_values = cache_from_legacy(past_key_values)
+    past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+    first_step = past_length == 0
+    if cache_position is None:
+        cache_position = torch.arange(past_length, input_ids.shape[1], device=input_ids.device)
+    if not first_step:
+        # With inputs_embeds, input_ids hold only the generated tokens: take the newest ones.
+        input_ids = input_ids[:, -cache_position.shape[0]:]
+    new_tokens = cache_position.shape[0]
+    # Fresh copies of the slices: a slice keeps its parent's strides, which a compiled step guards on.
+    if inputs_embeds is not None and first_step:
+        model_inputs = {"inputs_embeds": inputs_embeds}
+    else:
+        model_inputs = {"input_ids": input_ids.clone(memory_format=torch.contiguous_format)}
+    static_length = max_cache_length(past_key_values) if past_key_values is not None else None
+    if first_step and type(past_key_values) is DynamicCache:
+        # The empty cache generate() made: passed as None, the forward makes its own. PEFT before 0.13 (the PEFT of
+        # these releases) injects its prefix-tuning key/values only where the cache it is handed is None.
+        past_key_values = None
+    if static_length and attention_mask is not None and attention_mask.dim() == 2:
+        if position_ids is None:  # the padding mask is about to become 4D: positions from it first
+            position_ids = ChatGLMModel.default_position_ids(attention_mask, None, new_tokens)
+        attention_mask = static_cache_mask_before_4_53(attention_mask, new_tokens, static_length, cache_position,
+                                                       config)
+    if position_ids is not None:
+        model_inputs["position_ids"] = position_ids[:, -new_tokens:].clone(memory_format=torch.contiguous_format)
+    model_inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
+    model_inputs.update({k: v for k, v in kwargs.items()
+                         if k in ("output_attentions", "output_hidden_states", "images")})
+    return model_inputs
+
+
+# ======================================================================================================================
+# Config, sizes and checks
+# ======================================================================================================================
 
 
 # Files a user copies one at a time. modeling_chatglm.py may be copied alone over an original checkpoint folder that
@@ -256,92 +256,6 @@ def complete_original_config(config):
 def num_key_value_heads(config) -> int:
     """Heads of keys and values: the multi-query groups, or every head without multi-query attention."""
     return config.multi_query_group_num if config.multi_query_attention else config.num_attention_heads
-
-
-def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
-    """Where this code came from, as transformers resolved it: the repository an `auto_map` entry names
-    ("org/repo--modeling_chatglm.X"), else the checkpoint itself (`checkpoint` when from_pretrained has not yet
-    recorded it in the config); and the commit of a Hub download."""
-    source = None
-    for reference in (getattr(config, "auto_map", None) or {}).values():
-        reference = reference[0] if isinstance(reference, (list, tuple)) else reference
-        if isinstance(reference, str) and "--" in reference:
-            source = reference.split("--")[0]
-            break
-    source = source or checkpoint or getattr(config, "_name_or_path", None) or None
-    commit = (__package__ or "").rsplit(".", 1)[-1]
-    return source, commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
-
-
-# Files of this repository used only by an optional capability, loaded on demand: tensor parallelism, and GLM-4V's
-# vision tower (visual.py, for a config with vision_config).
-COMPANION_FILES = ("parallel_chatglm", "visual")
-
-
-def find_companion(name: str, config=None, checkpoint=None) -> Optional[Path]:
-    """`name`.py beside this module, else where this code came from (the checkpoint folder, or the Hub repository at
-    the same commit): transformers copies into its modules cache only the files it finds imported."""
-    beside = Path(__file__).with_name(f"{name}.py")
-    if beside.exists():
-        return beside
-    source, revision = code_source(config, checkpoint) if config is not None else (checkpoint, None)
-    if not source:
-        return None
-    from transformers.utils import cached_file
-
-    try:
-        found = cached_file(source, f"{name}.py", revision=revision, _raise_exceptions_for_missing_entries=False)
-    except (OSError, ValueError):
-        return None
-    return Path(found) if found else None
-
-
-def import_companion(name: str, config=None, checkpoint=None):
-    """Import a companion file (see COMPANION_FILES).
-
-    Not written as a relative import: transformers requires every file that a remote-code module imports relatively
-    to sit beside it, even an import inside a function, which would break this file copied alone over an original
-    checkpoint. A companion that cannot be found raises an error that says which file to copy."""
-    module_name = f"{__package__}.{name}" if __package__ else name
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name:
-            raise
-    found = find_companion(name, config, checkpoint) if __package__ else None
-    if found is None:
-        source = code_source(config, checkpoint)[0] if config is not None else checkpoint
-        raise ImportError(
-            f"This needs {name}.py beside modeling_chatglm.py{f' (looked in {source})' if source else ''}: copy it "
-            "from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
-            "modeling_chatglm.py, or install all its files with tools/install_into_checkpoint.py."
-        )
-    shutil.copyfile(found, Path(__file__).with_name(found.name))
-    importlib.invalidate_caches()
-    return importlib.import_module(module_name)
-
-
-def vision_tower(config) -> nn.Module:
-    """GLM-4V's vision tower, from this repository's visual.py (glm-4v-9b ships a visual.py of its own)."""
-    visual = import_companion("visual", config)
-    if not hasattr(getattr(visual, "EVA2CLIPModel", None), "splice"):
-        raise ImportError(
-            f"{visual.__file__} is not this repository's visual.py (glm-4v-9b's original has the same name): copy "
-            "visual.py from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
-            "modeling_chatglm.py (tools/install_into_checkpoint.py installs every file), and delete the stale copy "
-            "if it sits in the transformers modules cache."
-        )
-    return visual.EVA2CLIPModel(config)
-
-
-def is_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
-
-
-# ======================================================================================================================
-# Config-derived sizes
-# ======================================================================================================================
 
 
 @dataclass(frozen=True)
@@ -491,8 +405,122 @@ def check_supported(config: ChatGLMConfig):
     check_fits_in_memory(config)
 
 
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
+    bad = (input_ids < 0) | (input_ids >= vocab_size)
+    if bool(bad.any()):
+        raise ValueError(
+            f"input_ids holds token id {int(input_ids[bad][0])} outside this model's vocabulary [0, {vocab_size}) "
+            f"(padded_vocab_size). The tokenizer does not match the checkpoint, or the ids were built by hand: "
+            "GLM-4 tokenizers give ids below 151552, ChatGLM2/3 tokenizers ids below 65024."
+        )
+
+
+def check_attention_mask_values(attention_mask):
+    """A 2-D mask holds 1 (token) and 0 (padding), with a token in every row: a 2 was attended like a 1, and a row
+    of zeros attended to nothing, both giving logits without meaning and no error."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return
+    ones = attention_mask == 1
+    valid = ones | (attention_mask == 0)
+    if not bool(valid.all()):
+        raise ValueError(f"attention_mask must hold only 1 (token) and 0 (padding); it holds "
+                         f"{attention_mask[~valid][0].item()!r}. Pass the tokenizer's attention_mask, or a bool mask.")
+    empty = ~ones.any(-1)
+    if bool(empty.any()):
+        raise ValueError(f"attention_mask row {int(empty.nonzero()[0, 0])} is all 0: every sequence needs at least "
+                         "one token to attend. Drop empty sequences from the batch.")
+
+
+def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values):
+    """Shapes and dtypes of the base model's inputs, each error naming the argument and the shape it must have. Reads
+    shapes only (no host sync); token id values are checked separately (check_token_ids)."""
+
+    def refuse(name, tensor, expected):
+        got = f"shape {list(tensor.shape)}, dtype {tensor.dtype}" if isinstance(tensor, torch.Tensor) else repr(tensor)
+        raise ValueError(f"{name} must be {expected}; got {got}.")
+
+    def is_integer(t):
+        return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer(input_ids):
+            refuse("input_ids", input_ids, "an integer tensor [batch, sequence] (one row per sequence: add a batch "
+                   "dimension with input_ids[None], or use the tokenizer's return_tensors='pt')")
+        name, tokens = "input_ids", input_ids
+    else:
+        hidden = model.config.hidden_size
+        if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 \
+                or inputs_embeds.shape[-1] != hidden or not inputs_embeds.is_floating_point():
+            refuse("inputs_embeds", inputs_embeds, f"a floating tensor [batch, sequence, {hidden}] (hidden_size)")
+        name, tokens = "inputs_embeds", inputs_embeds
+    batch, length = tokens.shape[:2]
+    if batch == 0 or length == 0:
+        raise ValueError(f"{name} holds no tokens (shape {list(tokens.shape)}): pass at least one token per sequence "
+                         "(a prompt cannot be empty; the GLM tokenizers start every prompt with [gMASK] <sop>).")
+
+    past = cached_length(past_key_values, model, batch)
+    tokens = past - cached_prefix(model, past)  # a 2-D mask covers the tokens, not a P-tuning v2 prefix
+    if attention_mask is not None:
+        columns = f"{tokens} + {length}" if isinstance(past, int) else "the cached and the new tokens"
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_complex():
+            refuse("attention_mask", attention_mask, f"a tensor [{batch}, {columns}] of 1 (token) and 0 (padding)")
+        if attention_mask.dim() == 4:
+            if attention_mask.shape[0] != batch or attention_mask.shape[2] != length \
+                    or (isinstance(past, int) and attention_mask.shape[3] < past + length) \
+                    or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
+                refuse("attention_mask", attention_mask, f"a custom 4D mask [{batch}, 1, {length}, {columns}] of bool "
+                       "(True: attend) or float (0 or -inf, added to the scores)")
+        elif attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
+                isinstance(past, int) and attention_mask.shape[1] != tokens + length
+                and getattr(model, "vision", None) is None):  # GLM-4V: columns per token or per row (its seam checks)
+            refuse("attention_mask", attention_mask, f"[batch, cached + new tokens] = [{batch}, {columns}] (or a "
+                   "custom 4D mask)" + ("; the model adds the P-tuning v2 prefix's columns itself"
+                                        if prefix_length(model) else ""))
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
+                or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length \
+                or not is_integer(position_ids):
+            refuse("position_ids", position_ids, f"an integer tensor [{batch}, {length}] (batch, new tokens)")
+
+    capacity = max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None
+    if capacity is not None and isinstance(past, int) and past + length > capacity:
+        raise ValueError(f"past_key_values is a static cache of {capacity} tokens, which cannot take {length} new "
+                         f"tokens after {past}: create it with a larger max_cache_len.")
+
+
+def check_one_float_width(model: nn.Module):
+    """transformers 4.44 with dtype "auto" and no torch_dtype in config.json took the first weight's dtype for some
+    layers and float32 for others: a float64 weight loaded, and the forward failed on mixed dtypes."""
+    wide = [name for name, param in model.named_parameters() if param.dtype == torch.float64]
+    if wide and len(wide) < sum(1 for param in model.parameters() if param.is_floating_point()):
+        raise ValueError(f"{len(wide)} weights loaded as float64 ({', '.join(wide[:3])}{', ...' if len(wide) > 3 else ''})"
+                         " and the others in another dtype: the checkpoint stores float64 tensors. Pass "
+                         "torch_dtype=torch.bfloat16 (or float32) to from_pretrained (`dtype=` on transformers >= 4.56).")
+
+
+def check_loaded_weights(model: nn.Module, loading_info: dict, source):
+    """Refuse a checkpoint that holds few of the model's weights (another family's keys, or first-generation
+    ChatGLM-6B ones under a ChatGLM2/3 config): the model would otherwise run with random weights, with only
+    transformers' load report saying so."""
+    expected = set(model.state_dict())
+    # transformers 4.44 reports them without the "transformer." prefix when no checkpoint key has it.
+    prefixed = {f"{model.base_model_prefix}.{key}" for key in loading_info.get("missing_keys") or ()}
+    missing = expected & (set(loading_info.get("missing_keys") or ()) | prefixed)
+    if 2 * len(missing) <= len(expected):
+        return
+    found = sorted(loading_info.get("unexpected_keys") or ())
+    raise ValueError(
+        f"{source} holds {len(expected) - len(missing)} of the {len(expected)} weights of {type(model).__name__}: it "
+        "is not a ChatGLM2/3 / GLM-4 checkpoint (first-generation ChatGLM-6B and other families name their weights "
+        f"differently). Expected keys such as {sorted(missing)[:4]}; found {found[:4] or 'none of them'}"
+        f"{' (and %d more)' % (len(found) - 4) if len(found) > 4 else ''}. Load it with the code it came with."
+    )
+
+
 # ======================================================================================================================
-# Device boundaries
+# Devices
 # ======================================================================================================================
 
 
@@ -590,35 +618,6 @@ def check_devices_exist(device_map: dict):
                              "or 'cpu'.")
 
 
-def check_one_float_width(model: nn.Module):
-    """transformers 4.44 with dtype "auto" and no torch_dtype in config.json took the first weight's dtype for some
-    layers and float32 for others: a float64 weight loaded, and the forward failed on mixed dtypes."""
-    wide = [name for name, param in model.named_parameters() if param.dtype == torch.float64]
-    if wide and len(wide) < sum(1 for param in model.parameters() if param.is_floating_point()):
-        raise ValueError(f"{len(wide)} weights loaded as float64 ({', '.join(wide[:3])}{', ...' if len(wide) > 3 else ''})"
-                         " and the others in another dtype: the checkpoint stores float64 tensors. Pass "
-                         "torch_dtype=torch.bfloat16 (or float32) to from_pretrained (`dtype=` on transformers >= 4.56).")
-
-
-def check_loaded_weights(model: nn.Module, loading_info: dict, source):
-    """Refuse a checkpoint that holds few of the model's weights (another family's keys, or first-generation
-    ChatGLM-6B ones under a ChatGLM2/3 config): the model would otherwise run with random weights, with only
-    transformers' load report saying so."""
-    expected = set(model.state_dict())
-    # transformers 4.44 reports them without the "transformer." prefix when no checkpoint key has it.
-    prefixed = {f"{model.base_model_prefix}.{key}" for key in loading_info.get("missing_keys") or ()}
-    missing = expected & (set(loading_info.get("missing_keys") or ()) | prefixed)
-    if 2 * len(missing) <= len(expected):
-        return
-    found = sorted(loading_info.get("unexpected_keys") or ())
-    raise ValueError(
-        f"{source} holds {len(expected) - len(missing)} of the {len(expected)} weights of {type(model).__name__}: it "
-        "is not a ChatGLM2/3 / GLM-4 checkpoint (first-generation ChatGLM-6B and other families name their weights "
-        f"differently). Expected keys such as {sorted(missing)[:4]}; found {found[:4] or 'none of them'}"
-        f"{' (and %d more)' % (len(found) - 4) if len(found) > 4 else ''}. Load it with the code it came with."
-    )
-
-
 def check_device_map(model: nn.Module, device_map: dict):
     """Refuse a device map that leaves a parameter or buffer unplaced, names a module the model lacks (for example
     the first-generation ChatGLM-6B's names), or splits a block; before any weight is read."""
@@ -659,23 +658,166 @@ def check_device_map(model: nn.Module, device_map: dict):
     )
 
 
-class LayerInputs:
-    """What every layer reads besides the hidden states (rotary cos/sin, attention mask, the cache slots of the new
-    tokens, the attention kernel with its extra arguments), made once per forward and copied to each device that
-    holds layers once, not once per layer."""
+# ======================================================================================================================
+# KV cache
+# ======================================================================================================================
+# transformers' Cache classes, used as they are: every constructor and adapter this file needs is here. Layer l's keys
+# and values stay on layer l's device (the Cache classes place them where they arrive). A cache may lead with slots no
+# token covers (a P-tuning v2 prefix), and a GLM-4V cache holds image rows: both are counted here, not in the model.
 
-    def __init__(self, cos, sin, mask, cache_position, kernel, kernel_kwargs):
-        self._source = (cos, sin, mask, cache_position)
-        self._kernel, self._kernel_kwargs = kernel, kernel_kwargs
-        self._copies = {}
 
-    def on(self, device: torch.device):
-        if device not in self._copies:
-            kwargs = {k: device_boundary(v, device) if isinstance(v, torch.Tensor) else v
-                      for k, v in self._kernel_kwargs.items()}
-            attend = partial(self._kernel, **kwargs) if kwargs else self._kernel
-            self._copies[device] = tuple(device_boundary(t, device) for t in self._source) + (attend,)
-        return self._copies[device]
+def dynamic_cache_kwargs(config: ChatGLMConfig) -> dict:
+    return {"config": config} if _DYNAMIC_CACHE_TAKES_CONFIG else {}
+
+
+def new_dynamic_cache(config: ChatGLMConfig) -> DynamicCache:
+    return DynamicCache(**dynamic_cache_kwargs(config))
+
+
+def new_static_cache(config: ChatGLMConfig, batch_size: int, max_cache_len: int, dtype: torch.dtype,
+                     layer_devices: list) -> StaticCache:
+    """A StaticCache built by hand. 4.44-4.55 allocate it up front (batch size, dtype, a device; 4.47-4.55 put each
+    layer on its own with `layer_device_map`); 4.56+ allocate each layer lazily where its first keys arrive."""
+    accepted = inspect.signature(StaticCache.__init__).parameters
+    batch_name = "max_batch_size" if "max_batch_size" in accepted else "batch_size"
+    optional = {batch_name: batch_size, "dtype": dtype, "device": layer_devices[0]}
+    if len(set(layer_devices)) > 1:
+        optional["layer_device_map"] = dict(enumerate(layer_devices))
+    return StaticCache(config=config, max_cache_len=max_cache_len,
+                       **{name: value for name, value in optional.items() if name in accepted})
+
+
+def cache_from_legacy(past_key_values) -> DynamicCache:
+    """A tuple of (key, value) per layer, each [batch, kv_heads, seq, head_dim]; accepted where transformers still
+    converts them (< 5.0)."""
+    if not hasattr(DynamicCache, "from_legacy_cache"):
+        raise TypeError(
+            f"past_key_values as a tuple of tensors is not supported with transformers {transformers.__version__}: "
+            "pass the Cache object a previous call returned (or a transformers DynamicCache)."
+        )
+    return DynamicCache.from_legacy_cache(past_key_values)
+
+
+def cache_for_forward(past_key_values, config: ChatGLMConfig, use_cache: bool) -> Tuple[Optional[Cache], bool]:
+    """The cache a forward reads and writes, and whether the caller gave legacy tuples (it gets tuples back). A cache
+    given with use_cache=False is still read, as the original and transformers' models do; only a cache this call
+    would create is skipped."""
+    if isinstance(past_key_values, (tuple, list)):
+        return cache_from_legacy(past_key_values), True
+    if past_key_values is None and use_cache:
+        return new_dynamic_cache(config), False
+    return past_key_values, False
+
+
+def cache_to_return(cache: Optional[Cache], use_cache: bool, legacy: bool):
+    """What a forward returns as past_key_values: nothing without use_cache, tuples to a caller who gave tuples."""
+    if not use_cache:
+        return None
+    return cache.to_legacy_cache() if legacy else cache
+
+
+def max_cache_length(cache: Cache) -> Optional[int]:
+    """Preallocated length of a static cache, None for a cache that grows."""
+    if isinstance(cache, DynamicCache):
+        return None
+    length = getattr(cache, _MAX_LENGTH_QUERY)()
+    return int(length) if length is not None and length > 0 else None
+
+
+def cache_is_empty(cache: Cache) -> bool:
+    length = cache.get_seq_length()
+    return length == 0 if isinstance(length, int) else not bool(length)  # a tensor from static caches before 5.x
+
+
+def cached_length(past_key_values, model, batch: int):
+    """Tokens held by `past_key_values`, after checking its type and, for a legacy tuple, its layout: one (key, value)
+    pair per layer, each [batch, kv_heads, cached, head_dim]. An int, or a tensor where a static cache counts its
+    written slots on an accelerator (reading it would cost a host sync)."""
+    if past_key_values is None:
+        return 0
+    if isinstance(past_key_values, Cache):
+        layers = len(model.encoder.layers)
+        filled = len(past_key_values) if isinstance(past_key_values, DynamicCache) else layers
+        if 0 < filled < layers:  # a cache of another model (transformers < 4.47 took it, and failed in attention)
+            raise ValueError(f"past_key_values holds {filled} layers; this model has {layers} (num_layers). Pass the "
+                             "cache this model returned, or a new DynamicCache().")
+        length = past_key_values.get_seq_length()
+        if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_compiling():
+            return int(length)
+        return length
+    sizes = model.encoder.layers[0].self_attention.sizes
+    layers = len(model.encoder.layers)
+    expected = (f"a transformers Cache (DynamicCache, StaticCache), or a tuple of {layers} (key, value) pairs, each "
+                f"a floating tensor [{batch}, {sizes.num_kv_heads}, cached tokens, {sizes.head_dim}]")
+    if not isinstance(past_key_values, (tuple, list)) or len(past_key_values) != layers:
+        got = f"a {type(past_key_values).__name__}" + (f" of {len(past_key_values)}"
+                                                       if isinstance(past_key_values, (tuple, list)) else "")
+        raise ValueError(f"past_key_values must be {expected}; got {got}.")
+    first = past_key_values[0][0] if len(past_key_values[0]) == 2 else None
+    for pair in past_key_values:
+        if len(pair) != 2 or any(not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point()
+                                 or t.shape[1] != sizes.num_kv_heads
+                                 or t.shape[3] != sizes.head_dim or t.shape[0] != batch
+                                 or t.shape[:3] != first.shape[:3] for t in pair):
+            shapes = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
+            raise ValueError(f"past_key_values must be {expected}; got a layer with {shapes}.")
+    return first.shape[2]
+
+
+class PrefixOnlyCache(DynamicCache):
+    """The prefix for a forward that keeps no cache (use_cache=False, gradient checkpointing): each layer attends to
+    its prefix followed by the new keys, and nothing is stored, so a checkpointed layer that runs again sees the same
+    keys. Gradients reach the prefix encoder through the concatenation."""
+
+    def __init__(self, config: ChatGLMConfig, key_values: list):
+        super().__init__(**dynamic_cache_kwargs(config))
+        self.prefix = key_values
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        key, value = self.prefix[layer_idx]
+        return torch.cat([key, key_states], dim=-2), torch.cat([value, value_states], dim=-2)
+
+    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
+        return self.prefix[layer_idx][0].shape[-2]
+
+
+def reserve_static_cache_room(model: nn.Module, inputs: Optional[torch.Tensor], kwargs: dict, leading_slots: int
+                              ) -> dict:
+    """generate(cache_implementation="static") sizes its cache for the prompt and the new tokens only; with
+    `leading_slots` (a P-tuning v2 prefix) the static cache is built here, that much larger, and handed to generate."""
+    if not leading_slots or kwargs.get("past_key_values") is not None:
+        return kwargs
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{name: value for name, value in kwargs.items() if hasattr(config, name)})
+    if config.cache_implementation != "static" or config.use_cache is False:
+        return kwargs
+    prompt = next(t for t in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None)
+    batch_size, length = prompt.shape[:2]
+    new_tokens = config.max_new_tokens if config.max_new_tokens is not None else max(config.max_length - length, 0)
+    transformer = model.base_model
+    cache = new_static_cache(
+        model.config, batch_size * max(config.num_beams or 1, config.num_return_sequences or 1),
+        leading_slots + length + new_tokens, transformer.compute_dtype,
+        [execution_device(layer) for layer in transformer.encoder.layers],
+    )
+    config.cache_implementation = None
+    kwargs = {name: value for name, value in kwargs.items() if name != "cache_implementation"}
+    return dict(kwargs, past_key_values=cache, generation_config=config)
+
+
+# GLM-4V: how many rows its images added to the sequence a cache holds (an image's N + 2 rows replace its 3 tokens),
+# written by the step that spliced the image in and read by later steps. Kept on the cache object itself: the one thing
+# that lives exactly as long as those rows and is copied with them (copy.deepcopy of a prompt cache, beam reordering).
+IMAGE_ROWS_ATTRIBUTE = "chatglm_image_rows_added"
+
+
+def image_rows_in_cache(cache: Optional[Cache]) -> Optional[int]:
+    """Rows images added to `cache`'s sequence; None where no step has recorded it."""
+    return getattr(cache, IMAGE_ROWS_ATTRIBUTE, None)
+
+
+def record_image_rows(cache: Cache, rows: int):
+    setattr(cache, IMAGE_ROWS_ATTRIBUTE, rows)
 
 
 # ======================================================================================================================
@@ -766,6 +908,50 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     probs = F.softmax(scores, dim=-1).to(value.dtype)
     probs = F.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA with the key/value groups kept as groups, so that no decode step copies the cache: one new token's query
+    heads attend as rows of their group (a mask broadcasts over them), an unmasked prompt uses torch's `enable_gqa`.
+    A masked prompt expands the groups once (CUDA's fused kernels take a mask or groups, not both), as transformers
+    does."""
+    batch, heads, query_length, dim = query.shape
+    groups = module.num_key_value_groups
+    if groups > 1 and query_length == 1:
+        out = F.scaled_dot_product_attention(
+            query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask,
+            dropout_p=dropout, scale=scaling,
+        ).reshape(batch, heads, 1, dim)
+    else:
+        if attention_mask is not None:
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            is_causal=attention_mask is None and query_length > 1, enable_gqa=attention_mask is None and groups > 1,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attention_function(implementation: str):
+    """The attention kernel for `config._attn_implementation`: our eager one (it honours the original's fp32
+    softmax and query-key layer scaling), else transformers' registry; for sdpa our grouped kernel where
+    transformers has none (before 4.48) or its own expands the key/value groups (before 5.x's `pack_gqa`)."""
+    if implementation in (None, "eager"):
+        return eager_attention_forward
+    if ALL_ATTENTION_FUNCTIONS is None:
+        if implementation == "sdpa":
+            return sdpa_grouped_attention_forward
+        raise ValueError(
+            f"attn_implementation={implementation!r} needs transformers >= 4.48 with this model; "
+            f"{transformers.__version__} is installed. Use 'sdpa' or 'eager', or upgrade transformers."
+        )
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
+        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    else:
+        kernel = ALL_ATTENTION_FUNCTIONS[implementation]
+    if _TRANSFORMERS_SDPA_EXPANDS_GROUPS and kernel is _transformers_sdpa.sdpa_attention_forward:
+        return sdpa_grouped_attention_forward  # (a kernel registered over "sdpa" by the user is kept)
+    return kernel
 
 
 def attention_implementation(config: ChatGLMConfig, output_attentions: bool) -> str:
@@ -865,6 +1051,35 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
     return mask[:, None]
 
 
+class AttentionInputs(NamedTuple):
+    """What every layer reads besides the hidden states, on that layer's device."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: Optional[torch.Tensor]  # build_attention_mask's
+    cache_position: torch.Tensor  # the cache slots of the new tokens
+    implementation: str  # the kernel of this forward (attention_implementation)
+    kernel_kwargs: dict  # extra keyword arguments for the kernel (attention backends, packed flash rows)
+
+
+class LayerInputs:
+    """AttentionInputs made once per forward and copied to each device that holds layers once, not once per layer."""
+
+    def __init__(self, inputs: AttentionInputs):
+        self._source = inputs
+        self._copies = {}
+
+    def on(self, device: Optional[torch.device]) -> AttentionInputs:
+        if device not in self._copies:
+            source = self._source
+            moved = {name: device_boundary(getattr(source, name), device)
+                     for name in ("cos", "sin", "mask", "cache_position")}
+            moved["kernel_kwargs"] = {name: device_boundary(value, device) if isinstance(value, torch.Tensor) else value
+                                      for name, value in source.kernel_kwargs.items()}
+            self._copies[device] = source._replace(**moved)
+        return self._copies[device]
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
@@ -896,21 +1111,20 @@ class SelfAttention(nn.Module):
             q, k, v = mixed.unflatten(-1, (s.num_heads, 3 * s.head_dim)).split(s.head_dim, dim=-1)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None, attend=None):
-        """attend: the kernel the model chose for this forward (LayerInputs), else the configured one."""
+    def forward(self, hidden_states, inputs: AttentionInputs, past_key_values=None):
         batch, seq, _ = hidden_states.shape
         query, key, value = self.split_heads(self.query_key_value(hidden_states))
         # Rotary makes new query and key tensors; the value gets its own memory too. As a view it would keep the whole
         # fused projection alive: pre-rotary queries through attention, and everything in a cache that stores it.
+        cos, sin = inputs.cos, inputs.sin
         query, key, value = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value.contiguous()
         if past_key_values is not None:
             # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
-            key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
-        attend = attend or attention_function(self.config._attn_implementation)
-        out, weights = attend(
-            self, query, key, value, attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling,
-        )
+            key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": inputs.cache_position})
+        attend = attention_function(inputs.implementation)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        out, weights = attend(self, query, key, value, inputs.mask,
+                              **{**inputs.kernel_kwargs, "dropout": dropout, "scaling": self.scaling})
         return self.dense(out.reshape(batch, seq, -1)), weights
 
 
@@ -970,7 +1184,6 @@ class GLMBlock(GradientCheckpointingLayer):
 
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
-        self.layer_number = layer_number
         self.residual_after_norm = config.apply_residual_connection_post_layernorm
         self.fp32_residual = config.fp32_residual_connection
         self.hidden_dropout = config.hidden_dropout
@@ -985,13 +1198,13 @@ class GLMBlock(GradientCheckpointingLayer):
         out = norm(hidden_states)
         return out.to(norm.weight.dtype) if self.fp32_residual else out
 
-    def forward(self, hidden_states, cos, sin, attention_mask, cache_position, past_key_values=None, attend=None):
+    def forward(self, hidden_states, inputs: AttentionInputs, past_key_values=None):
+        # past_key_values is positional: GradientCheckpointingLayer (5.x) drops a cache passed by keyword, and a
+        # checkpointed layer still reads a P-tuning v2 prefix through it (PrefixOnlyCache).
         normed = self.norm(self.input_layernorm, hidden_states)
         residual = normed if self.residual_after_norm else hidden_states
         # The attention output is rebound to the sum at once, not kept alive through the MLP (peak memory).
-        hidden_states, weights = self.self_attention(
-            normed, cos, sin, attention_mask, cache_position, past_key_values, attend
-        )
+        hidden_states, weights = self.self_attention(normed, inputs, past_key_values)
         hidden_states = residual + F.dropout(hidden_states, p=self.hidden_dropout, training=self.training)
 
         normed = self.norm(self.post_attention_layernorm, hidden_states)
@@ -1005,7 +1218,6 @@ class GLMTransformer(nn.Module):
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
-        self.num_layers = config.num_layers
         self.layers = nn.ModuleList([GLMBlock(config, number + 1) for number in range(config.num_layers)])
         self.final_layernorm = make_norm(config) if config.post_layer_norm else None
 
@@ -1018,8 +1230,7 @@ class GLMTransformer(nn.Module):
             hidden_states = device_boundary(hidden_states, device)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            cos, sin, mask, cache_position, attend = layer_inputs.on(device)
-            hidden_states, weights = layer(hidden_states, cos, sin, mask, cache_position, past_key_values, attend)
+            hidden_states, weights = layer(hidden_states, layer_inputs.on(device), past_key_values)
             if output_attentions:
                 all_attentions += (weights,)
         if self.final_layernorm is not None:
@@ -1030,8 +1241,368 @@ class GLMTransformer(nn.Module):
 
 
 # ======================================================================================================================
+# Base model
+# ======================================================================================================================
+
+
+class ChatGLMPreTrainedModel(PreTrainedModel):
+    config_class = ChatGLMConfig
+    base_model_prefix = "transformer"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["GLMBlock", "TransformerLayer"]  # TransformerLayer: GLM-4V's vision blocks
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn_2 = True  # 4.x name
+    _supports_flash_attn = True  # 5.x name
+    _supports_cache_class = True  # 4.x: generate() hands us Cache objects
+    _supports_static_cache = True
+    # Attention kernels registered with transformers (AttentionInterface) run in every layer with the forward's extra
+    # keyword arguments, and custom 4D masks are honoured (tests/test_attention.py).
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True  # static-cache decode compiles as one graph (tests/test_compile.py)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' from_pretrained, with an explicit device_map checked before any weight is read. With
+        tp_plan="auto" (under torchrun), tp_size, device_mesh or distributed_config, the model is sharded by its own
+        tensor-parallel plan instead, on every supported transformers release (parallel_chatglm.py)."""
+        if any(kwargs.get(name) is not None for name in ("tp_plan", "tp_size", "device_mesh", "distributed_config")):
+            config = cls._config_for(pretrained_model_name_or_path, kwargs)
+            parallel = import_companion("parallel_chatglm", config, checkpoint=str(pretrained_model_name_or_path))
+            return parallel.from_pretrained_tensor_parallel(
+                super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
+            )
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, dict):
+            check_devices_exist(device_map)
+            with torch.device("meta"):
+                check_device_map(cls(cls._config_for(pretrained_model_name_or_path, kwargs)), device_map)
+        if pretrained_model_name_or_path is not None and os.path.isdir(os.fspath(pretrained_model_name_or_path)):
+            check_prefix_checkpoint(pretrained_model_name_or_path, cls._config_for(pretrained_model_name_or_path,
+                                                                                   kwargs), kwargs)
+        with_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
+                                              **kwargs)
+        check_loaded_weights(model, info, pretrained_model_name_or_path)
+        check_one_float_width(model)
+        settle_loaded_prefix(model, info)
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.own_loaded_buffer()
+        if _TIED_KEYS_ARE_A_MAPPING and getattr(model.config, "tie_word_embeddings", False):
+            # 5.x leaves a checkpoint's two stored matrices untied (with a warning) even when the config asks for
+            # tying; 4.x ties them, the input embedding winning. from_pretrained(..., tie_word_embeddings=True) ties.
+            model.tie_weights()
+        return (model, info) if with_info else model
+
+    if _HAS_ACTIVATION_CHECKPOINTING:
+
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs):
+            """transformers' activation checkpointing (the Trainer calls it with every_n_layers and offload;
+            gradient_checkpointing_enable() is transformers' alias of it here)."""
+            super().activation_checkpointing_enable(
+                prefix_checkpointing_kwargs(self, activation_checkpointing_kwargs), *args, **kwargs)
+
+    else:
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, *args, **kwargs):
+            """transformers' gradient checkpointing."""
+            super().gradient_checkpointing_enable(
+                prefix_checkpointing_kwargs(self, gradient_checkpointing_kwargs), *args, **kwargs)
+
+    def load_prefix_encoder(self, path) -> str:
+        """Load a P-tuning v2 prefix saved apart from the base model (a file or a folder: the ChatGLM2/3 ptuning
+        trainer's checkpoint, save_prefix_encoder's output, a whole checkpoint, or a PEFT prefix-tuning adapter).
+        Returns the file read; a prefix trained for another config fails naming the file and the shapes."""
+        return load_prefix_file(require_prefix(self), path)
+
+    def save_prefix_encoder(self, save_directory) -> str:
+        """Write the P-tuning v2 prefix alone, the classic layout: `model.safetensors` holding
+        `transformer.prefix_encoder.*` (full names), as the ChatGLM2/3 ptuning trainer saved it."""
+        from safetensors.torch import save_file
+
+        encoder = require_prefix(self)
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, "model.safetensors")
+        save_file({PREFIX_KEY + name: tensor.detach().contiguous().cpu() for name, tensor in encoder.state_dict().items()},
+                  path, metadata={"format": "pt"})
+        return path
+
+    @classmethod
+    def _config_for(cls, pretrained_model_name_or_path, kwargs) -> ChatGLMConfig:
+        """The config from_pretrained will use: the one passed, else the checkpoint's, read with this class's config
+        class (ours, or the original one beside a copied modeling_chatglm.py)."""
+        config = kwargs.get("config")
+        if isinstance(config, transformers.PretrainedConfig):  # 5.x: AutoConfig's class is another module's copy
+            return config
+        config = cls.config_class.from_pretrained(
+            pretrained_model_name_or_path,
+            **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs},
+        )
+        # Where the code files come from, as from_pretrained records it (config.json may name another repository):
+        # GLM-4V's model, built for the device-map check, imports visual.py from there.
+        config._name_or_path = str(pretrained_model_name_or_path)
+        return config
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, which writes the code files it saw imported; the companion files are
+        written beside them, so that the saved folder keeps every capability."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if self._auto_class is None or not kwargs.get("is_main_process", True):
+            return
+        for name in COMPANION_FILES:
+            found, target = find_companion(name, self.config), Path(save_directory) / f"{name}.py"
+            if found is not None and not (target.exists() and target.samefile(found)):
+                shutil.copyfile(found, target)
+
+    def tensor_parallel(self, mesh_or_size=None):
+        """Shard this model in place over a 1-D DeviceMesh, or over `mesh_or_size` ranks of torch.distributed (all of
+        them by default); every rank calls it. See parallel_chatglm.py."""
+        return import_companion("parallel_chatglm", self.config).tensor_parallel(self, mesh_or_size)
+
+    def _init_weights(self, module):
+        """Random weights for models built from a config (the original left them uninitialised)."""
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
+            weight_init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                weight_init.zeros_(module.bias)
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+            weight_init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                weight_init.zeros_(module.bias)
+        elif isinstance(module, RotaryEmbedding):
+            if hasattr(weight_init, "copy_"):
+                weight_init.copy_(module.inv_freq, module.checkpoint_inv_freq())
+            else:
+                module.inv_freq.data.copy_(module.checkpoint_inv_freq())
+        else:  # parameters a module holds itself: GLM-4V's class, begin- and end-of-image rows
+            for param in module.parameters(recurse=False):
+                weight_init.normal_(param, mean=0.0, std=std)
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.fp32_residual = config.fp32_residual_connection
+
+    def forward(self, input_ids):
+        embeddings = self.word_embeddings(input_ids)
+        return embeddings.float() if self.fp32_residual else embeddings
+
+
+class ChatGLMModel(ChatGLMPreTrainedModel):
+    # The output layer lives in the base model (the original's layout); tied to the embedding only when
+    # config.tie_word_embeddings (false in every released checkpoint).
+    _tied_weights_keys = tied_weights_keys("output_layer.weight", "embedding.word_embeddings.weight")
+
+    def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
+        # empty_init and device are the original constructor's arguments, accepted so that calling code keeps
+        # working: from_pretrained already skips initialising loaded weights, and `device` places the model.
+        super().__init__(config)
+        check_supported(config)
+        self.embedding = Embedding(config)
+        self.rotary_pos_emb = RotaryEmbedding(config)
+        self.encoder = GLMTransformer(config)
+        self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.prefix_encoder = PrefixEncoder(config) if prefix_slots(config) else None  # P-tuning v2 (own section)
+        # GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower of visual.py, whose image rows enter through `splice`.
+        self.vision = vision_tower(config) if getattr(config, "vision_config", None) else None
+        train_prefix_only(self)
+        self.post_init()
+        if device is not None:
+            self.to(device)
+
+    # transformers 4.46 to 4.52 look for it here (see the compatibility layer).
+    _prepare_4d_causal_attention_mask_with_cache_position = staticmethod(static_cache_mask_before_4_53)
+
+    def get_input_embeddings(self):
+        return self.embedding.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embedding.word_embeddings = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values=None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        images: Optional[torch.Tensor] = None,
+        **kwargs,
+    ):
+        """`images` (GLM-4V): pixels [batch, 3, S, S], one image per sequence, spliced in where its ids hold
+        <|begin_of_image|>; `attention_mask` and `position_ids` then stay in tokens, as the tokenizer makes them.
+        Keyword arguments the model does not read go to the attention kernel (attention backends pass theirs so)."""
+        config = self.config
+        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        return_dict = return_dict if return_dict is not None else config.return_dict
+        check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values)
+        use_cache = self.cache_in_use(use_cache)
+        device = execution_device(self.embedding) or (input_ids if input_ids is not None else inputs_embeds).device
+        input_ids, inputs_embeds, attention_mask, position_ids = (
+            device_boundary(tensor, device) for tensor in (input_ids, inputs_embeds, attention_mask, position_ids))
+        cache, legacy = cache_for_forward(past_key_values, config, use_cache)
+        past_length = cache.get_seq_length() if cache is not None else 0
+
+        inputs_embeds = self.embed(input_ids, inputs_embeds, attention_mask, past_length)
+        # The seams of the optional capabilities: GLM-4V's image rows, then P-tuning v2's prefix slots.
+        inputs_embeds, position_ids, attention_mask = enter_vision(
+            self, input_ids, inputs_embeds, images, position_ids, attention_mask, cache, past_length)
+        prefix = enter_prefix(self, cache, past_length, inputs_embeds.shape[0], inputs_embeds.shape[1])
+        layer_inputs = self.layer_inputs(prefix, position_ids, attention_mask, inputs_embeds,
+                                         attention_implementation(config, output_attentions), kwargs)
+        hidden_states, all_hidden_states, all_attentions = self.encoder(
+            inputs_embeds, layer_inputs, prefix.cache,
+            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+        )
+        if config.fp32_residual_connection:
+            hidden_states = hidden_states.to(self.compute_dtype)
+        outputs = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=cache_to_return(cache, use_cache, legacy),
+            hidden_states=all_hidden_states, attentions=all_attentions,
+        )
+        return outputs if return_dict else outputs.to_tuple()
+
+    def cache_in_use(self, use_cache: Optional[bool]) -> bool:
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if self.training and use_cache and any(layer.gradient_checkpointing for layer in self.encoder.layers):
+            return False  # checkpointed layers run twice; a cache would be filled twice
+        return use_cache
+
+    def embed(self, input_ids, inputs_embeds, attention_mask, past_length):
+        """The embeddings of input_ids (or inputs_embeds as given). Values are checked where it costs no device sync
+        per decode step: tensors on the CPU, or the prompt."""
+        values_checked = not is_compiling() and (
+            (input_ids if input_ids is not None else inputs_embeds).device.type == "cpu"
+            or (isinstance(past_length, int) and past_length == 0))
+        if values_checked:
+            check_attention_mask_values(attention_mask)
+        if inputs_embeds is not None:
+            return inputs_embeds
+        if values_checked:
+            check_token_ids(input_ids, self.config.padded_vocab_size)
+        return self.embedding(input_ids)
+
+    def layer_inputs(self, prefix: "PrefixEntry", position_ids, attention_mask, inputs_embeds, implementation: str,
+                     kernel_kwargs: dict) -> LayerInputs:
+        """Rotary cos/sin, the attention mask and the kernel's arguments for every layer. Query positions are cache
+        slots (after any P-tuning v2 prefix); position ids and a 2-D mask count tokens only."""
+        batch_size, query_length = inputs_embeds.shape[:2]
+        query_positions = (torch.arange(query_length, device=inputs_embeds.device) + prefix.past_slots)[None]
+        past_tokens = prefix.past_slots - prefix.slots
+        sequence_ids = packed_sequence_ids(position_ids, attention_mask, past_tokens)  # given positions only
+        if position_ids is None:
+            position_ids = self.default_position_ids(attention_mask, query_positions - prefix.slots, query_length)
+        # Rotary table computed on the rotary module's device; each layer gets it on its own device (LayerInputs).
+        rotary_device = execution_device(self.rotary_pos_emb)
+        cos, sin = self.rotary_pos_emb(device_boundary(position_ids, rotary_device), self.compute_dtype)
+        cache_slots = max_cache_length(prefix.cache) if prefix.cache is not None else None
+        mask = build_attention_mask(
+            implementation, prefix.extend_mask(attention_mask), query_positions,
+            cache_slots or prefix.past_slots + query_length, batch_size=batch_size,
+            preallocated=cache_slots is not None, sequence_ids=sequence_ids, prefix=prefix.slots,
+        )
+        kernel_kwargs = {name: value for name, value in kernel_kwargs.items() if name != "cache_position"}
+        if sequence_ids is not None and mask is None and implementation.startswith("flash"):
+            kernel_kwargs.update(flash_varlen_kwargs(sequence_ids, position_ids, batch_size))
+        return LayerInputs(AttentionInputs(cos, sin, mask, query_positions[0], implementation, kernel_kwargs))
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states: the embedding's. Not read from a Linear layer, which a quantizer
+        (torch.ao, torchao, quanto, bitsandbytes) may have replaced by one without a float `weight`."""
+        return self.embedding.word_embeddings.weight.dtype
+
+    @staticmethod
+    def default_position_ids(attention_mask, query_positions, query_length):
+        """Positions count real tokens only, so a left-padded sequence gets the positions it has alone."""
+        if attention_mask is None or attention_mask.dim() != 2:
+            return query_positions
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -query_length:]
+
+
+# ======================================================================================================================
+# Companion files: code of optional capabilities, loaded on demand
+# ======================================================================================================================
+
+
+def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
+    """Where this code came from, as transformers resolved it: the repository an `auto_map` entry names
+    ("org/repo--modeling_chatglm.X"), else the checkpoint itself (`checkpoint` when from_pretrained has not yet
+    recorded it in the config); and the commit of a Hub download."""
+    source = None
+    for reference in (getattr(config, "auto_map", None) or {}).values():
+        reference = reference[0] if isinstance(reference, (list, tuple)) else reference
+        if isinstance(reference, str) and "--" in reference:
+            source = reference.split("--")[0]
+            break
+    source = source or checkpoint or getattr(config, "_name_or_path", None) or None
+    commit = (__package__ or "").rsplit(".", 1)[-1]
+    return source, commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
+# Files of this repository used only by an optional capability, loaded on demand: tensor parallelism, and GLM-4V's
+# vision tower (visual.py, for a config with vision_config).
+COMPANION_FILES = ("parallel_chatglm", "visual")
+
+
+def find_companion(name: str, config=None, checkpoint=None) -> Optional[Path]:
+    """`name`.py beside this module, else where this code came from (the checkpoint folder, or the Hub repository at
+    the same commit): transformers copies into its modules cache only the files it finds imported."""
+    beside = Path(__file__).with_name(f"{name}.py")
+    if beside.exists():
+        return beside
+    source, revision = code_source(config, checkpoint) if config is not None else (checkpoint, None)
+    if not source:
+        return None
+    from transformers.utils import cached_file
+
+    try:
+        found = cached_file(source, f"{name}.py", revision=revision, _raise_exceptions_for_missing_entries=False)
+    except (OSError, ValueError):
+        return None
+    return Path(found) if found else None
+
+
+def import_companion(name: str, config=None, checkpoint=None):
+    """Import a companion file (see COMPANION_FILES).
+
+    Not written as a relative import: transformers requires every file that a remote-code module imports relatively
+    to sit beside it, even an import inside a function, which would break this file copied alone over an original
+    checkpoint. A companion that cannot be found raises an error that says which file to copy."""
+    module_name = f"{__package__}.{name}" if __package__ else name
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+    found = find_companion(name, config, checkpoint) if __package__ else None
+    if found is None:
+        source = code_source(config, checkpoint)[0] if config is not None else checkpoint
+        raise ImportError(
+            f"This needs {name}.py beside modeling_chatglm.py{f' (looked in {source})' if source else ''}: copy it "
+            "from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
+            "modeling_chatglm.py, or install all its files with tools/install_into_checkpoint.py."
+        )
+    shutil.copyfile(found, Path(__file__).with_name(found.name))
+    importlib.invalidate_caches()
+    return importlib.import_module(module_name)
+
+
+# ======================================================================================================================
 # P-tuning v2 prefix
 # ======================================================================================================================
+
+
 # ChatGLM2/3's P-tuning v2 (`pre_seq_len`, `prefix_projection` in config.json; weights `transformer.prefix_encoder.*`):
 # a trained encoder gives every layer `pre_seq_len` key/value slots in front of the real tokens. As in the original,
 # they are the first slots of the key/value cache, written unrotated by the first forward and seen by every query;
@@ -1039,8 +1610,9 @@ class GLMTransformer(nn.Module):
 # at one seam, `enter_prefix`. GLM-4's original configuration class has no such fields: they are read with getattr.
 
 PREFIX_KEY = "transformer.prefix_encoder."
-PREFIX_DROPOUT = 0.1  # the original's dropout on the prefix (train mode only)
 
+
+PREFIX_DROPOUT = 0.1  # the original's dropout on the prefix (train mode only)
 
 def prefix_slots(config) -> int:
     """config.pre_seq_len as a number of prefix slots; 0 without a prefix."""
@@ -1119,8 +1691,8 @@ def check_prefix_state(encoder: PrefixEncoder, state_dict: dict, source: str):
 
 
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-PREFIX_FILES = ("adapter_model.safetensors", "adapter_model.bin") + MODEL_FILES
 
+PREFIX_FILES = ("adapter_model.safetensors", "adapter_model.bin") + MODEL_FILES
 
 def read_prefix_file(path, names=PREFIX_FILES, shapes_only: bool = False) -> Tuple[dict, str]:
     """The prefix encoder's tensors (names without `transformer.prefix_encoder.`; empty meta tensors with
@@ -1171,9 +1743,11 @@ def load_prefix_file(encoder: PrefixEncoder, path) -> str:
     return file
 
 
-def check_prefix_checkpoint(folder, config):
-    """Before from_pretrained reads a local checkpoint: prefix weights that do not fit the config fail here, naming
-    the file (transformers would name neither the file nor pre_seq_len)."""
+def check_prefix_checkpoint(folder, config, kwargs: dict):
+    """Before from_pretrained reads a local checkpoint: prefix weights that do not fit the config (with
+    from_pretrained's `kwargs` applied) fail here, naming the file (transformers would name neither the file nor
+    pre_seq_len)."""
+    config = prefix_config(config, kwargs)
     if not prefix_slots(config):
         return
     try:
@@ -1187,7 +1761,6 @@ def check_prefix_checkpoint(folder, config):
 
 PREFIX_SHAPE_FIELDS = ("pre_seq_len", "prefix_projection", "num_layers", "num_attention_heads", "multi_query_attention",
                        "multi_query_group_num", "kv_channels", "hidden_size")
-
 
 def prefix_config(config, kwargs: dict):
     """The config from_pretrained builds, as far as the prefix's shapes go: a passed `config`, or the checkpoint's
@@ -1210,44 +1783,45 @@ def require_prefix(model: nn.Module) -> PrefixEncoder:
     return encoder
 
 
+def prefix_length(model: nn.Module) -> int:
+    """The prefix slots of a model (the base model or a head): pre_seq_len, or 0 without a prefix."""
+    encoder = getattr(model.base_model, "prefix_encoder", None)
+    return encoder.pre_seq_len if encoder is not None else 0
+
+
 def cached_prefix(model: "ChatGLMModel", past) -> int:
     """How many of `past` cached slots are prefix: pre_seq_len once a forward wrote them (an empty cache has none)."""
-    return model.prefix_encoder.pre_seq_len if model.prefix_encoder is not None and not (
-        isinstance(past, int) and past == 0) else 0
+    return prefix_length(model) if not (isinstance(past, int) and past == 0) else 0
 
 
-def cache_is_empty(cache: Cache) -> bool:
-    length = cache.get_seq_length()
-    return length == 0 if isinstance(length, int) else not bool(length)  # a tensor from static caches before 5.x
+@dataclass(frozen=True)
+class PrefixEntry:
+    """What the core forward gets from this section (enter_prefix): the cache the layers use, the `slots` a prefix
+    takes at its start (0 without one: then every method is the identity), and the slots cached before this step's
+    tokens, prefix included."""
+
+    cache: Optional[Cache]
+    slots: int
+    past_slots: Union[int, torch.Tensor]
+
+    def extend_mask(self, attention_mask):
+        """A 2-D mask covers the tokens; every query also sees the prefix slots in front of them."""
+        if not self.slots or attention_mask is None or attention_mask.dim() != 2:
+            return attention_mask
+        return torch.cat([attention_mask.new_ones(attention_mask.shape[0], self.slots), attention_mask], -1)
 
 
-class PrefixOnlyCache(DynamicCache):
-    """The prefix for a forward that keeps no cache (use_cache=False, gradient checkpointing): each layer attends to
-    its prefix followed by the new keys, and nothing is stored, so a checkpointed layer that runs again sees the same
-    keys. Gradients reach the prefix encoder through the concatenation."""
-
-    def __init__(self, config: ChatGLMConfig, key_values: list):
-        super().__init__(**dynamic_cache_kwargs(config))
-        self.prefix = key_values
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        key, value = self.prefix[layer_idx]
-        return torch.cat([key, key_states], dim=-2), torch.cat([value, value_states], dim=-2)
-
-    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
-        return self.prefix[layer_idx][0].shape[-2]
-
-
-def enter_prefix(model: "ChatGLMModel", cache: Optional[Cache], batch_size: int, query_length: int):
-    """The seam into the core forward. Returns the cache the layers use and how many prefix slots lead it (0 without
-    a prefix). An empty cache gets the prefix written first, each layer's slots on that layer's device; a cache that
-    is not empty holds it already (an earlier call wrote it); without a cache the layers get a PrefixOnlyCache."""
+def enter_prefix(model: "ChatGLMModel", cache: Optional[Cache], past_length, batch_size: int, query_length: int
+                 ) -> PrefixEntry:
+    """The seam into the core forward. An empty cache gets the prefix written first, each layer's slots on that
+    layer's device; a cache that is not empty holds it already (an earlier call wrote it); without a cache the layers
+    get a PrefixOnlyCache."""
     encoder = model.prefix_encoder
     if encoder is None:
-        return cache, 0
+        return PrefixEntry(cache, 0, past_length)
     slots = encoder.pre_seq_len
     if cache is not None and not cache_is_empty(cache):
-        return cache, slots
+        return PrefixEntry(cache, slots, past_length)
     room = max_cache_length(cache) if cache is not None else None
     if room is not None and slots + query_length > room:
         raise ValueError(
@@ -1259,34 +1833,11 @@ def enter_prefix(model: "ChatGLMModel", cache: Optional[Cache], batch_size: int,
     key_values = [(device_boundary(key, device), device_boundary(value, device))
                   for (key, value), device in zip(encoder.key_values(batch_size, model.compute_dtype), devices)]
     if cache is None:
-        return PrefixOnlyCache(model.config, key_values), slots
-    for index, ((key, value), device) in enumerate(zip(key_values, devices)):
-        cache.update(key, value, index, {"cache_position": torch.arange(slots, device=device)})
-    return cache, slots
-
-
-def reserve_static_cache_room(model: nn.Module, inputs: Optional[torch.Tensor], kwargs: dict) -> dict:
-    """generate(cache_implementation="static") sizes its cache for the prompt and the new tokens only; with a prefix
-    the static cache is built here, `pre_seq_len` slots larger, and handed to generate."""
-    encoder = getattr(model.base_model, "prefix_encoder", None)
-    if encoder is None or kwargs.get("past_key_values") is not None:
-        return kwargs
-    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    config.update(**{name: value for name, value in kwargs.items() if hasattr(config, name)})
-    if config.cache_implementation != "static" or config.use_cache is False:
-        return kwargs
-    prompt = next(t for t in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None)
-    batch_size, length = prompt.shape[:2]
-    new_tokens = config.max_new_tokens if config.max_new_tokens is not None else max(config.max_length - length, 0)
-    transformer = model.base_model
-    cache = new_static_cache(
-        model.config, batch_size * max(config.num_beams or 1, config.num_return_sequences or 1),
-        encoder.pre_seq_len + length + new_tokens, transformer.compute_dtype,
-        [execution_device(layer) for layer in transformer.encoder.layers],
-    )
-    config.cache_implementation = None
-    kwargs = {name: value for name, value in kwargs.items() if name != "cache_implementation"}
-    return dict(kwargs, past_key_values=cache, generation_config=config)
+        cache = PrefixOnlyCache(model.config, key_values)
+    else:
+        for index, ((key, value), device) in enumerate(zip(key_values, devices)):
+            cache.update(key, value, index, {"cache_position": torch.arange(slots, device=device)})
+    return PrefixEntry(cache, slots, cache.get_seq_length())
 
 
 def train_prefix_only(model: "ChatGLMModel"):
@@ -1297,9 +1848,12 @@ def train_prefix_only(model: "ChatGLMModel"):
         model.prefix_encoder.requires_grad_(True)
 
 
-def prefix_checkpointing_kwargs(kwargs: Optional[dict]) -> dict:
-    """The prefix reaches the layers through the cache, which reentrant checkpointing does not see as an input: no
-    gradient would reach the prefix encoder. With a prefix, checkpointing is non-reentrant."""
+def prefix_checkpointing_kwargs(model: nn.Module, kwargs: Optional[dict]) -> Optional[dict]:
+    """The keyword arguments for torch.utils.checkpoint: as given without a prefix. The prefix reaches the layers
+    through the cache, which reentrant checkpointing does not see as an input: no gradient would reach the prefix
+    encoder. With a prefix, checkpointing is non-reentrant."""
+    if not prefix_length(model):
+        return kwargs
     kwargs = dict(kwargs or {})
     if kwargs.get("use_reentrant"):
         raise ValueError(
@@ -1311,8 +1865,10 @@ def prefix_checkpointing_kwargs(kwargs: Optional[dict]) -> dict:
     return kwargs
 
 
-def report_prefix_weights(model: nn.Module, loading_info: dict):
-    """After from_pretrained: a prefix left random, or prefix weights the config ignores, are said, not silent."""
+def settle_loaded_prefix(model: nn.Module, loading_info: dict):
+    """After from_pretrained: the prefix alone trains (5.x loads weights as new, trainable Parameters), and a prefix
+    left random, or prefix weights the config ignores, are said, not silent."""
+    train_prefix_only(model.base_model)
     encoder = getattr(model.base_model, "prefix_encoder", None)
     missing = [name if isinstance(name, str) else name[0]  # 4.44 lists mismatches as (name, shapes...)
                for key in ("missing_keys", "mismatched_keys") for name in loading_info.get(key, ())]
@@ -1334,450 +1890,51 @@ def report_prefix_weights(model: nn.Module, loading_info: dict):
         )
 
 
-
 # ======================================================================================================================
-# Base model
+# GLM-4V vision
 # ======================================================================================================================
 
 
-class ChatGLMPreTrainedModel(PreTrainedModel):
-    config_class = ChatGLMConfig
-    base_model_prefix = "transformer"
-    main_input_name = "input_ids"
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["GLMBlock", "TransformerLayer"]  # TransformerLayer: GLM-4V's vision blocks
-    _skip_keys_device_placement = ["past_key_values"]
-    _supports_sdpa = True
-    _supports_flash_attn_2 = True  # 4.x name
-    _supports_flash_attn = True  # 5.x name
-    _supports_cache_class = True  # 4.x: generate() hands us Cache objects
-    _supports_static_cache = True
-    # Attention kernels registered with transformers (AttentionInterface) run in every layer with the forward's extra
-    # keyword arguments, and custom 4D masks are honoured (tests/test_attention.py).
-    _supports_attention_backend = True
-    _can_compile_fullgraph = True  # static-cache decode compiles as one graph (tests/test_compile.py)
+# GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower lives in visual.py, a companion file loaded only for a config with
+# vision_config. It imports nothing of this file: what it needs of the language model is handed to it here.
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """transformers' from_pretrained, with an explicit device_map checked before any weight is read. With
-        tp_plan="auto" (under torchrun), tp_size, device_mesh or distributed_config, the model is sharded by its own
-        tensor-parallel plan instead, on every supported transformers release (parallel_chatglm.py)."""
-        if any(kwargs.get(name) is not None for name in ("tp_plan", "tp_size", "device_mesh", "distributed_config")):
-            config = cls._config_for(pretrained_model_name_or_path, kwargs)
-            parallel = import_companion("parallel_chatglm", config, checkpoint=str(pretrained_model_name_or_path))
-            return parallel.from_pretrained_tensor_parallel(
-                super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
-            )
-        device_map = kwargs.get("device_map")
-        if isinstance(device_map, dict):
-            check_devices_exist(device_map)
-            with torch.device("meta"):
-                check_device_map(cls(cls._config_for(pretrained_model_name_or_path, kwargs)), device_map)
-        if pretrained_model_name_or_path is not None and os.path.isdir(os.fspath(pretrained_model_name_or_path)):
-            # P-tuning v2: a prefix that does not fit fails
-            config = prefix_config(cls._config_for(pretrained_model_name_or_path, kwargs), kwargs)
-            check_prefix_checkpoint(pretrained_model_name_or_path, config)
-        with_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
-                                              **kwargs)
-        check_loaded_weights(model, info, pretrained_model_name_or_path)
-        check_one_float_width(model)
-        train_prefix_only(model.base_model)  # P-tuning v2: 5.x loads weights as new, trainable Parameters
-        report_prefix_weights(model, info)
-        for module in model.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.own_loaded_buffer()
-        if _TIED_KEYS_ARE_A_MAPPING and getattr(model.config, "tie_word_embeddings", False):
-            # 5.x leaves a checkpoint's two stored matrices untied (with a warning) even when the config asks for
-            # tying; 4.x ties them, the input embedding winning. from_pretrained(..., tie_word_embeddings=True) ties.
-            model.tie_weights()
-        return (model, info) if with_info else model
 
-    def checkpoint_function_kwargs(self, kwargs: Optional[dict]) -> Optional[dict]:
-        """The keyword arguments for torch.utils.checkpoint: non-reentrant with a P-tuning v2 prefix
-        (prefix_checkpointing_kwargs), else as given."""
-        if getattr(self.base_model, "prefix_encoder", None) is not None:
-            return prefix_checkpointing_kwargs(kwargs)
-        return kwargs
-
-    if _HAS_ACTIVATION_CHECKPOINTING:
-
-        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs):
-            """transformers' activation checkpointing (the Trainer calls it with every_n_layers and offload;
-            gradient_checkpointing_enable() is transformers' alias of it here)."""
-            super().activation_checkpointing_enable(self.checkpoint_function_kwargs(activation_checkpointing_kwargs),
-                                                    *args, **kwargs)
-
-    else:
-
-        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, *args, **kwargs):
-            """transformers' gradient checkpointing."""
-            super().gradient_checkpointing_enable(self.checkpoint_function_kwargs(gradient_checkpointing_kwargs),
-                                                  *args, **kwargs)
-
-    def load_prefix_encoder(self, path) -> str:
-        """Load a P-tuning v2 prefix saved apart from the base model (a file or a folder: the ChatGLM2/3 ptuning
-        trainer's checkpoint, save_prefix_encoder's output, a whole checkpoint, or a PEFT prefix-tuning adapter).
-        Returns the file read; a prefix trained for another config fails naming the file and the shapes."""
-        return load_prefix_file(require_prefix(self), path)
-
-    def save_prefix_encoder(self, save_directory) -> str:
-        """Write the P-tuning v2 prefix alone, the classic layout: `model.safetensors` holding
-        `transformer.prefix_encoder.*` (full names), as the ChatGLM2/3 ptuning trainer saved it."""
-        from safetensors.torch import save_file
-
-        encoder = require_prefix(self)
-        os.makedirs(save_directory, exist_ok=True)
-        path = os.path.join(save_directory, "model.safetensors")
-        save_file({PREFIX_KEY + name: tensor.detach().contiguous().cpu() for name, tensor in encoder.state_dict().items()},
-                  path, metadata={"format": "pt"})
-        return path
-
-    @classmethod
-    def _config_for(cls, pretrained_model_name_or_path, kwargs) -> ChatGLMConfig:
-        """The config from_pretrained will use: the one passed, else the checkpoint's, read with this class's config
-        class (ours, or the original one beside a copied modeling_chatglm.py)."""
-        config = kwargs.get("config")
-        if isinstance(config, transformers.PretrainedConfig):  # 5.x: AutoConfig's class is another module's copy
-            return config
-        config = cls.config_class.from_pretrained(
-            pretrained_model_name_or_path,
-            **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs},
+def vision_tower(config) -> nn.Module:
+    """GLM-4V's vision tower, from this repository's visual.py (glm-4v-9b ships a visual.py of its own)."""
+    visual = import_companion("visual", config)
+    if not hasattr(visual, "LanguageModelCallbacks"):
+        raise ImportError(
+            f"{visual.__file__} is not this repository's visual.py, or is an older one (glm-4v-9b's original has the "
+            "same name): copy visual.py from the maintained ChatGLM / GLM-4 repository into the checkpoint folder "
+            "along with modeling_chatglm.py (tools/install_into_checkpoint.py installs every file), and delete the "
+            "stale copy if it sits in the transformers modules cache."
         )
-        # Where the code files come from, as from_pretrained records it (config.json may name another repository):
-        # GLM-4V's model, built for the device-map check, imports visual.py from there.
-        config._name_or_path = str(pretrained_model_name_or_path)
-        return config
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' save_pretrained, which writes the code files it saw imported; the companion files are
-        written beside them, so that the saved folder keeps every capability."""
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if self._auto_class is None or not kwargs.get("is_main_process", True):
-            return
-        for name in COMPANION_FILES:
-            found, target = find_companion(name, self.config), Path(save_directory) / f"{name}.py"
-            if found is not None and not (target.exists() and target.samefile(found)):
-                shutil.copyfile(found, target)
-
-    def tensor_parallel(self, mesh_or_size=None):
-        """Shard this model in place over a 1-D DeviceMesh, or over `mesh_or_size` ranks of torch.distributed (all of
-        them by default); every rank calls it. See parallel_chatglm.py."""
-        return import_companion("parallel_chatglm", self.config).tensor_parallel(self, mesh_or_size)
-
-    def _init_weights(self, module):
-        """Random weights for models built from a config (the original left them uninitialised)."""
-        std = getattr(self.config, "initializer_range", 0.02)
-        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
-            weight_init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                weight_init.zeros_(module.bias)
-        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
-            weight_init.ones_(module.weight)
-            if getattr(module, "bias", None) is not None:
-                weight_init.zeros_(module.bias)
-        elif isinstance(module, RotaryEmbedding):
-            if hasattr(weight_init, "copy_"):
-                weight_init.copy_(module.inv_freq, module.checkpoint_inv_freq())
-            else:
-                module.inv_freq.data.copy_(module.checkpoint_inv_freq())
-        else:  # parameters a module holds itself: GLM-4V's class, begin- and end-of-image rows
-            for param in module.parameters(recurse=False):
-                weight_init.normal_(param, mean=0.0, std=std)
+    callbacks = visual.LanguageModelCallbacks(
+        device_boundary=device_boundary, execution_device=execution_device,
+        default_position_ids=ChatGLMModel.default_position_ids,
+        image_rows_in_cache=image_rows_in_cache, record_image_rows=record_image_rows,
+    )
+    return visual.EVA2CLIPModel(config, callbacks)
 
 
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
-    bad = (input_ids < 0) | (input_ids >= vocab_size)
-    if bool(bad.any()):
-        raise ValueError(
-            f"input_ids holds token id {int(input_ids[bad][0])} outside this model's vocabulary [0, {vocab_size}) "
-            f"(padded_vocab_size). The tokenizer does not match the checkpoint, or the ids were built by hand: "
-            "GLM-4 tokenizers give ids below 151552, ChatGLM2/3 tokenizers ids below 65024."
-        )
-
-
-def check_attention_mask_values(attention_mask):
-    """A 2-D mask holds 1 (token) and 0 (padding), with a token in every row: a 2 was attended like a 1, and a row
-    of zeros attended to nothing, both giving logits without meaning and no error."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        return
-    ones = attention_mask == 1
-    valid = ones | (attention_mask == 0)
-    if not bool(valid.all()):
-        raise ValueError(f"attention_mask must hold only 1 (token) and 0 (padding); it holds "
-                         f"{attention_mask[~valid][0].item()!r}. Pass the tokenizer's attention_mask, or a bool mask.")
-    empty = ~ones.any(-1)
-    if bool(empty.any()):
-        raise ValueError(f"attention_mask row {int(empty.nonzero()[0, 0])} is all 0: every sequence needs at least "
-                         "one token to attend. Drop empty sequences from the batch.")
-
-
-def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values):
-    """Shapes and dtypes of the base model's inputs, each error naming the argument and the shape it must have. Reads
-    shapes only (no host sync); token id values are checked separately (check_token_ids)."""
-
-    def refuse(name, tensor, expected):
-        got = f"shape {list(tensor.shape)}, dtype {tensor.dtype}" if isinstance(tensor, torch.Tensor) else repr(tensor)
-        raise ValueError(f"{name} must be {expected}; got {got}.")
-
-    def is_integer(t):
-        return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
-    if input_ids is not None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer(input_ids):
-            refuse("input_ids", input_ids, "an integer tensor [batch, sequence] (one row per sequence: add a batch "
-                   "dimension with input_ids[None], or use the tokenizer's return_tensors='pt')")
-        name, tokens = "input_ids", input_ids
-    else:
-        hidden = model.config.hidden_size
-        if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 \
-                or inputs_embeds.shape[-1] != hidden or not inputs_embeds.is_floating_point():
-            refuse("inputs_embeds", inputs_embeds, f"a floating tensor [batch, sequence, {hidden}] (hidden_size)")
-        name, tokens = "inputs_embeds", inputs_embeds
-    batch, length = tokens.shape[:2]
-    if batch == 0 or length == 0:
-        raise ValueError(f"{name} holds no tokens (shape {list(tokens.shape)}): pass at least one token per sequence "
-                         "(a prompt cannot be empty; the GLM tokenizers start every prompt with [gMASK] <sop>).")
-
-    past = cached_length(past_key_values, model, batch)
-    tokens = past - cached_prefix(model, past)  # a 2-D mask covers the tokens, not a P-tuning v2 prefix
-    if attention_mask is not None:
-        columns = f"{tokens} + {length}" if isinstance(past, int) else "the cached and the new tokens"
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_complex():
-            refuse("attention_mask", attention_mask, f"a tensor [{batch}, {columns}] of 1 (token) and 0 (padding)")
-        if attention_mask.dim() == 4:
-            if attention_mask.shape[0] != batch or attention_mask.shape[2] != length \
-                    or (isinstance(past, int) and attention_mask.shape[3] < past + length) \
-                    or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
-                refuse("attention_mask", attention_mask, f"a custom 4D mask [{batch}, 1, {length}, {columns}] of bool "
-                       "(True: attend) or float (0 or -inf, added to the scores)")
-        elif attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
-                isinstance(past, int) and attention_mask.shape[1] != tokens + length
-                and getattr(model, "vision", None) is None):  # GLM-4V: columns per token or per row (its seam checks)
-            refuse("attention_mask", attention_mask, f"[batch, cached + new tokens] = [{batch}, {columns}] (or a "
-                   "custom 4D mask)" + ("; the model adds the P-tuning v2 prefix's columns itself"
-                                        if model.prefix_encoder is not None else ""))
-    if position_ids is not None:
-        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
-                or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length \
-                or not is_integer(position_ids):
-            refuse("position_ids", position_ids, f"an integer tensor [{batch}, {length}] (batch, new tokens)")
-
-    capacity = max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None
-    if capacity is not None and isinstance(past, int) and past + length > capacity:
-        raise ValueError(f"past_key_values is a static cache of {capacity} tokens, which cannot take {length} new "
-                         f"tokens after {past}: create it with a larger max_cache_len.")
-
-
-def cached_length(past_key_values, model, batch: int):
-    """Tokens held by `past_key_values`, after checking its type and, for a legacy tuple, its layout: one (key, value)
-    pair per layer, each [batch, kv_heads, cached, head_dim]. An int, or a tensor where a static cache counts its
-    written slots on an accelerator (reading it would cost a host sync)."""
-    if past_key_values is None:
-        return 0
-    if isinstance(past_key_values, Cache):
-        layers = len(model.encoder.layers)
-        filled = len(past_key_values) if isinstance(past_key_values, DynamicCache) else layers
-        if 0 < filled < layers:  # a cache of another model (transformers < 4.47 took it, and failed in attention)
-            raise ValueError(f"past_key_values holds {filled} layers; this model has {layers} (num_layers). Pass the "
-                             "cache this model returned, or a new DynamicCache().")
-        length = past_key_values.get_seq_length()
-        if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_compiling():
-            return int(length)
-        return length
-    sizes = model.encoder.layers[0].self_attention.sizes
-    layers = len(model.encoder.layers)
-    expected = (f"a transformers Cache (DynamicCache, StaticCache), or a tuple of {layers} (key, value) pairs, each "
-                f"a floating tensor [{batch}, {sizes.num_kv_heads}, cached tokens, {sizes.head_dim}]")
-    if not isinstance(past_key_values, (tuple, list)) or len(past_key_values) != layers:
-        got = f"a {type(past_key_values).__name__}" + (f" of {len(past_key_values)}"
-                                                       if isinstance(past_key_values, (tuple, list)) else "")
-        raise ValueError(f"past_key_values must be {expected}; got {got}.")
-    first = past_key_values[0][0] if len(past_key_values[0]) == 2 else None
-    for pair in past_key_values:
-        if len(pair) != 2 or any(not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point()
-                                 or t.shape[1] != sizes.num_kv_heads
-                                 or t.shape[3] != sizes.head_dim or t.shape[0] != batch
-                                 or t.shape[:3] != first.shape[:3] for t in pair):
-            shapes = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
-            raise ValueError(f"past_key_values must be {expected}; got a layer with {shapes}.")
-    return first.shape[2]
-
-
-class Embedding(nn.Module):
-    def __init__(self, config: ChatGLMConfig):
-        super().__init__()
-        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
-        self.fp32_residual = config.fp32_residual_connection
-
-    def forward(self, input_ids):
-        embeddings = self.word_embeddings(input_ids)
-        return embeddings.float() if self.fp32_residual else embeddings
-
-
-class ChatGLMModel(ChatGLMPreTrainedModel):
-    # The output layer lives in the base model (the original's layout); tied to the embedding only when
-    # config.tie_word_embeddings (false in every released checkpoint).
-    _tied_weights_keys = tied_weights_keys("output_layer.weight", "embedding.word_embeddings.weight")
-
-    def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
-        # empty_init and device are the original constructor's arguments, accepted so that calling code keeps
-        # working: from_pretrained already skips initialising loaded weights, and `device` places the model.
-        super().__init__(config)
-        check_supported(config)
-        self.embedding = Embedding(config)
-        self.rotary_pos_emb = RotaryEmbedding(config)
-        self.encoder = GLMTransformer(config)
-        self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
-        self.prefix_encoder = PrefixEncoder(config) if prefix_slots(config) else None  # P-tuning v2 (own section)
-        # GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower of visual.py, whose image rows enter through `splice`.
-        self.vision = vision_tower(config) if getattr(config, "vision_config", None) else None
-        train_prefix_only(self)
-        self.post_init()
-        if device is not None:
-            self.to(device)
-
-    # transformers 4.46 to 4.52 look for it here (see the compatibility layer).
-    _prepare_4d_causal_attention_mask_with_cache_position = staticmethod(static_cache_mask_before_4_53)
-
-    def get_input_embeddings(self):
-        return self.embedding.word_embeddings
-
-    def set_input_embeddings(self, value):
-        self.embedding.word_embeddings = value
-
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        past_key_values=None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        images: Optional[torch.Tensor] = None,
-        **kwargs,
-    ):
-        """`images` (GLM-4V): pixels [batch, 3, S, S], one image per sequence, spliced in where its ids hold
-        <|begin_of_image|>; `attention_mask` and `position_ids` then stay in tokens, as the tokenizer makes them."""
-        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values)
-        if self.training and use_cache and any(layer.gradient_checkpointing for layer in self.encoder.layers):
-            use_cache = False  # checkpointed layers run twice; a cache would be filled twice
-
-        # Inputs to the embedding's device.
-        embedding_device = execution_device(self.embedding) or next(
-            t.device for t in (input_ids, inputs_embeds) if t is not None)
-        input_ids = device_boundary(input_ids, embedding_device)
-        inputs_embeds = device_boundary(inputs_embeds, embedding_device)
-        attention_mask = device_boundary(attention_mask, embedding_device)
-        position_ids = device_boundary(position_ids, embedding_device)
-
-        # A cache given with use_cache=False is still read (as the original and transformers' models do); only a
-        # cache this call would create is skipped, and no cache is returned.
-        legacy_cache = isinstance(past_key_values, (tuple, list))
-        if legacy_cache:
-            past_key_values = cache_from_legacy(past_key_values)
-        elif past_key_values is None and use_cache:
-            past_key_values = new_dynamic_cache(self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-
-        # Values are checked where it costs no device sync per decode step: tensors on the CPU, or the prompt.
-        values_checked = not is_compiling() and (
-            (input_ids if input_ids is not None else inputs_embeds).device.type == "cpu"
-            or (isinstance(past_length, int) and past_length == 0))
-        if values_checked:
-            check_attention_mask_values(attention_mask)
-        if inputs_embeds is None:
-            if values_checked:
-                check_token_ids(input_ids, self.config.padded_vocab_size)
-            inputs_embeds = self.embedding(input_ids)
-        if self.vision is not None:  # the one seam of GLM-4V: image rows in, token-layout mask and positions to rows
-            inputs_embeds, position_ids, attention_mask = self.vision.splice(
-                input_ids, inputs_embeds, images, position_ids, attention_mask, past_key_values, past_length
-            )
-        elif images is not None:
-            raise ValueError("images were given, but this model has no vision tower (its config has no "
-                             "vision_config): load a GLM-4V checkpoint such as glm-4v-9b.")
-        query_length = inputs_embeds.shape[1]
-        # A P-tuning v2 prefix leads the cache (own section); positions and a 2-D mask cover the tokens only.
-        layer_cache, prefix = enter_prefix(self, past_key_values, inputs_embeds.shape[0], query_length)
-        if prefix:
-            past_length = layer_cache.get_seq_length()
-
-        query_positions = (torch.arange(query_length, device=embedding_device) + past_length)[None]
-        sequence_ids = packed_sequence_ids(position_ids, attention_mask, past_length - prefix)  # given positions only
-        if position_ids is None:
-            position_ids = self.default_position_ids(attention_mask, query_positions - prefix, query_length)
-        if prefix and attention_mask is not None and attention_mask.dim() == 2:
-            attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], prefix), attention_mask], -1)
-
-        # Rotary table computed on the rotary module's device; each layer gets it on its own device (LayerInputs).
-        rotary_device = execution_device(self.rotary_pos_emb)
-        cos, sin = self.rotary_pos_emb(device_boundary(position_ids, rotary_device), self.compute_dtype)
-
-        cache_slots = max_cache_length(layer_cache) if layer_cache is not None else None
-        implementation = attention_implementation(self.config, output_attentions)
-        mask = build_attention_mask(
-            implementation, attention_mask, query_positions, cache_slots or past_length + query_length,
-            batch_size=inputs_embeds.shape[0], preallocated=cache_slots is not None, sequence_ids=sequence_ids,
-            prefix=prefix,
-        )
-        # Keyword arguments the model does not read go to the attention kernel (attention backends pass theirs so).
-        kernel_kwargs = {name: value for name, value in kwargs.items() if name != "cache_position"}
-        if sequence_ids is not None and mask is None and implementation.startswith("flash"):
-            kernel_kwargs.update(flash_varlen_kwargs(sequence_ids, position_ids, inputs_embeds.shape[0]))
-        layer_inputs = LayerInputs(cos, sin, mask, query_positions[0], attention_function(implementation),
-                                   kernel_kwargs)
-
-        hidden_states, all_hidden_states, all_attentions = self.encoder(
-            inputs_embeds, layer_inputs, layer_cache,
-            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-        )
-        if self.config.fp32_residual_connection:
-            hidden_states = hidden_states.to(self.compute_dtype)
-        if not use_cache:
-            past_key_values = None
-        elif legacy_cache:
-            past_key_values = past_key_values.to_legacy_cache()
-        if not return_dict:
-            return tuple(v for v in (hidden_states, past_key_values, all_hidden_states, all_attentions) if v is not None)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
-        )
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype of the hidden states: the embedding's. Not read from a Linear layer, which a quantizer
-        (torch.ao, torchao, quanto, bitsandbytes) may have replaced by one without a float `weight`."""
-        return self.embedding.word_embeddings.weight.dtype
-
-    @staticmethod
-    def default_position_ids(attention_mask, query_positions, query_length):
-        """Positions count real tokens only, so a left-padded sequence gets the positions it has alone."""
-        if attention_mask is None or attention_mask.dim() != 2:
-            return query_positions
-        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -query_length:]
+def enter_vision(model: "ChatGLMModel", input_ids, inputs_embeds, images, position_ids, attention_mask, cache,
+                 past_length):
+    """The seam into the core forward: image rows in, the token-layout mask and positions mapped to rows
+    (EVA2CLIPModel.splice). Returns (inputs_embeds, position_ids, attention_mask), unchanged for a text model."""
+    if model.vision is not None:
+        return model.vision.splice(input_ids, inputs_embeds, images, position_ids, attention_mask, cache, past_length)
+    if images is not None:
+        raise ValueError("images were given, but this model has no vision tower (its config has no vision_config): "
+                         "load a GLM-4V checkpoint such as glm-4v-9b.")
+    return inputs_embeds, position_ids, attention_mask
 
 
 # ======================================================================================================================
 # Chat helpers: ChatGLM3's chat API (chat, stream_chat, stream_generate, process_response) and quantize()
 # ======================================================================================================================
 
-CHAT_ROLES = ("system", "user", "assistant", "observation")
 
+CHAT_ROLES = ("system", "user", "assistant", "observation")
 
 class InvalidScoreLogitsProcessor(LogitsProcessor):
     """The originals' guard in chat(): scores that hold NaN or +inf (an fp16 overflow) become a valid distribution
@@ -2028,7 +2185,6 @@ def sampling_processors(config, logits_processor, prefix_allowed_tokens_fn) -> L
 
 QUANTIZATION_WIDTHS = (4, 8)
 
-
 def quantize_linear_layers(module: nn.Module, bits: int):
     """Weight-only `bits`-bit quantization of the nn.Linear layers in `module`: torchao first (int8 on CPU and
     CUDA; int4 where torchao has a kernel for the device, e.g. CUDA in bf16), then optimum-quanto."""
@@ -2099,6 +2255,18 @@ def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor
     missing = length - position_ids.shape[-1]
     steps = torch.arange(1, missing + 1, device=position_ids.device, dtype=position_ids.dtype)
     return torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
+
+
+def warn_beyond_seq_length(config, max_new_tokens, generation_config):
+    """Generating more tokens than the model's context (seq_length) runs, with output that degrades past it."""
+    if max_new_tokens is None:
+        max_new_tokens = getattr(generation_config, "max_new_tokens", None)
+    seq_length = getattr(config, "seq_length", None)
+    if isinstance(max_new_tokens, int) and isinstance(seq_length, int) and max_new_tokens > seq_length:
+        logger.warning_once(
+            f"max_new_tokens={max_new_tokens} is beyond this model's seq_length={seq_length} (config.json), the "
+            "longest context it was trained for: text generated past it degrades. Lower max_new_tokens."
+        )
 
 
 class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, GenerationMixin):
@@ -2212,7 +2380,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         for name in ("input_ids", "attention_mask", "position_ids", "inputs_embeds"):
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = device_boundary(kwargs[name], device)
-        kwargs = reserve_static_cache_room(self, inputs, kwargs)  # P-tuning v2: room for the prefix
+        kwargs = reserve_static_cache_room(self, inputs, kwargs, prefix_length(self))  # P-tuning v2
         warn_beyond_seq_length(self.config, kwargs.get("max_new_tokens"),
                                kwargs.get("generation_config") or self.generation_config)
         return super().generate(inputs, **kwargs)
@@ -2230,61 +2398,11 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             model_inputs = prepare_inputs_before_4_46(
                 input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, config=self.config, **kwargs
             )
-        if self.transformer.prefix_encoder is not None and (attention_mask is None or attention_mask.dim() == 2):
+        if prefix_length(self) and (attention_mask is None or attention_mask.dim() == 2):
             # Static caches get a 4-D mask (4.53+, and ours before 4.46), blind to the prefix slots: the model builds
             # its own from the 2-D one.
             model_inputs["attention_mask"] = attention_mask
         return model_inputs
-
-
-def warn_beyond_seq_length(config, max_new_tokens, generation_config):
-    """Generating more tokens than the model's context (seq_length) runs, with output that degrades past it."""
-    if max_new_tokens is None:
-        max_new_tokens = getattr(generation_config, "max_new_tokens", None)
-    seq_length = getattr(config, "seq_length", None)
-    if isinstance(max_new_tokens, int) and isinstance(seq_length, int) and max_new_tokens > seq_length:
-        logger.warning_once(
-            f"max_new_tokens={max_new_tokens} is beyond this model's seq_length={seq_length} (config.json), the "
-            "longest context it was trained for: text generated past it degrades. Lower max_new_tokens."
-        )
-
-
-def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, position_ids, inputs_embeds,
-                               cache_position=None, use_cache=True, config=None, **kwargs):
-    """transformers 4.44 / 4.45 (kept beside its only caller): keep the tokens the cache has not seen, given by
-    `cache_position`, and the prompt embeddings on the first step only. A static cache gets its mask at full length,
-    so that a compiled decode step sees the same shapes at every position (as later versions do)."""
-    if isinstance(past_key_values, (tuple, list)):  # the forward returns the legacy format it was given (PEFT's)
-        past_key_values = cache_from_legacy(past_key_values)
-    past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-    first_step = past_length == 0
-    if cache_position is None:
-        cache_position = torch.arange(past_length, input_ids.shape[1], device=input_ids.device)
-    if not first_step:
-        # With inputs_embeds, input_ids hold only the generated tokens: take the newest ones.
-        input_ids = input_ids[:, -cache_position.shape[0]:]
-    new_tokens = cache_position.shape[0]
-    # Fresh copies of the slices: a slice keeps its parent's strides, which a compiled step guards on.
-    if inputs_embeds is not None and first_step:
-        model_inputs = {"inputs_embeds": inputs_embeds}
-    else:
-        model_inputs = {"input_ids": input_ids.clone(memory_format=torch.contiguous_format)}
-    static_length = max_cache_length(past_key_values) if past_key_values is not None else None
-    if first_step and type(past_key_values) is DynamicCache:
-        # The empty cache generate() made: passed as None, the forward makes its own. PEFT before 0.13 (the PEFT of
-        # these releases) injects its prefix-tuning key/values only where the cache it is handed is None.
-        past_key_values = None
-    if static_length and attention_mask is not None and attention_mask.dim() == 2:
-        if position_ids is None:  # the padding mask is about to become 4D: positions from it first
-            position_ids = ChatGLMModel.default_position_ids(attention_mask, None, new_tokens)
-        attention_mask = static_cache_mask_before_4_53(attention_mask, new_tokens, static_length, cache_position,
-                                                       config)
-    if position_ids is not None:
-        model_inputs["position_ids"] = position_ids[:, -new_tokens:].clone(memory_format=torch.contiguous_format)
-    model_inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
-    model_inputs.update({k: v for k, v in kwargs.items()
-                         if k in ("output_attentions", "output_hidden_states", "images")})
-    return model_inputs
 
 
 class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
@@ -2315,7 +2433,8 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
         **kwargs,
     ):
         """Classifies each sequence from its last real token (the last column where attention_mask is 1, so left
-        and right padding both work; the last position without a mask, as in the original)."""
+        and right padding both work; the last position without a mask, as in the original). `full_attention_mask`
+        keeps the original's positional signature and is ignored: the model builds its mask from attention_mask."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.transformer(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,

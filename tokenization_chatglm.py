@@ -38,6 +38,22 @@ Token ids are the originals' wherever the originals were right. What differs, on
 * GLM-4 encodes whitespace runs of any length (tiktoken's regex engine gives up on about a million blanks).
 * A missing or damaged `tokenizer.model` raises an error naming the file (and, for GLM-4's text file, the line);
   a file that reads well but differs from the released one logs a warning. Text that is not a `str` raises TypeError.
+
+Sections, in order: transformers compatibility; helpers shared by both tokenizers; shared tokenizer logic (one mixin
+per concern, combined in `_GLMTokenizerBase`); GLM-4V images; GLM-4; ChatGLM3.
+
+Where to change what (section: names):
+  a chat-template fix           GLM-4: `_GLM4_CHAT_TEMPLATE` (used when a checkpoint has none),
+                                `keep_glm4_tool_heading_newlines`, `ChatGLM4Tokenizer._resolve_chat_template`;
+                                ChatGLM3: `ChatGLMTokenizer._turns` (the `build_chat_input` format, as ids and
+                                as text); both: `_ChatRendering` (strings kept as text: `_ChatTextGuard`)
+  special-token parsing         Shared tokenizer logic: `_SpecialTokenParsing` (`tokenize`, `split_special_tokens`)
+  padding, position ids, pairs  Shared tokenizer logic: `_SequenceLayout` (`_pad`, `build_inputs_with_special_tokens`)
+  decode                        Shared tokenizer logic: `_Decoding`; each family's `_decode_run`
+  a new checkpoint variant      the family's section: GLM-4 `read_tiktoken_ranks` (tokenizer.model's ranks),
+                                ChatGLM3 `_SentencePieceModel`; the vocabulary checks `_check_unfamiliar_ranks`
+  GLM-4V images                 GLM-4V: `_ChatImages`, `image_to_pixels`
+  a new transformers release    transformers compatibility: `_TransformersCompat` (one flag or method per change)
 """
 
 import base64

@@ -1,7 +1,9 @@
 """GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower, and how its image rows enter the language model.
 
 modeling_chatglm.py loads this file (`import_companion("visual")`) only for a config with `vision_config`; text
-models never import it. Module names and state-dict keys are the original's (`transformer.vision.patch_embedding`,
+models never import it. This file imports nothing of modeling_chatglm.py (no import loop): what it uses of the
+language model (device boundaries, default positions, the cache's image-row count) is handed in as
+`LanguageModelCallbacks`. Module names and state-dict keys are the original's (`transformer.vision.patch_embedding`,
 `transformer.vision.transformer.layers.N.attention.query_key_value`, `transformer.vision.linear_proj.gate_proj`,
 `transformer.vision.boi`, ...), so a glm-4v-9b checkpoint loads with no missing or unexpected key.
 
@@ -15,8 +17,8 @@ is given (or derives) token positions. The language model itself is the one of m
 rows enter through `EVA2CLIPModel.splice`, its one seam.
 """
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,15 +26,21 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache
 
-from .modeling_chatglm import ChatGLMModel, device_boundary, execution_device
+
+@dataclass(frozen=True)
+class LanguageModelCallbacks:
+    """What the vision tower uses of modeling_chatglm.py, which builds it (`vision_tower`) and hands these in."""
+
+    device_boundary: Callable  # (tensor, device) -> tensor on device: every device crossing
+    execution_device: Callable  # module -> the device it computes on
+    default_position_ids: Callable  # (token mask, positions, new tokens) -> positions counting real tokens only
+    image_rows_in_cache: Callable  # cache -> rows an image added to its sequence, None where not recorded
+    record_image_rows: Callable  # (cache, rows): kept for the later steps of the same sequence
+
 
 # ======================================================================================================================
 # Sizes from config.vision_config
 # ======================================================================================================================
-
-# The rows an image adds beyond its three tokens, kept on the KV cache by the step that spliced the image in: later
-# steps read it to map the token layout to rows (the cache is the one object that lives as long as those rows).
-CACHE_ATTRIBUTE = "chatglm_image_rows_added"
 
 
 @dataclass(frozen=True)
@@ -186,12 +194,14 @@ class TransformerLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, sizes: VisionSizes):
+    def __init__(self, sizes: VisionSizes, callbacks: LanguageModelCallbacks):
         super().__init__()
         self.layers = nn.ModuleList([TransformerLayer(sizes) for _ in range(sizes.num_layers)])
         self.gradient_checkpointing = False  # set by PreTrainedModel.gradient_checkpointing_enable()
+        self.callbacks = callbacks
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        device_boundary, execution_device = self.callbacks.device_boundary, self.callbacks.execution_device
         for layer in self.layers:
             hidden_states = device_boundary(hidden_states, execution_device(layer))
             if self.gradient_checkpointing and self.training:
@@ -222,12 +232,13 @@ class EVA2CLIPModel(nn.Module):
     """`transformer.vision`: pixels [batch, 3, S, S] -> image rows [batch, N + 2, hidden] (boi, N, eoi), in the
     language model's hidden size and divided by `scaling_factor`, as the original computes them."""
 
-    def __init__(self, config):
+    def __init__(self, config, callbacks: LanguageModelCallbacks):
         super().__init__()
+        self.callbacks = callbacks
         self.sizes = VisionSizes.from_config(config)
         self.boi_token_id, self.eoi_token_id = image_token_ids(config)
         self.patch_embedding = PatchEmbedding(self.sizes)
-        self.transformer = Transformer(self.sizes)
+        self.transformer = Transformer(self.sizes, callbacks)
         self.linear_proj = GLU(config, in_features=config.hidden_size)
         self.conv = nn.Conv2d(self.sizes.hidden_size, config.hidden_size, kernel_size=2, stride=2)
         self.boi = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
@@ -240,6 +251,7 @@ class EVA2CLIPModel(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         self.check_images(images)
+        device_boundary, execution_device = self.callbacks.device_boundary, self.callbacks.execution_device
         embedding_device = execution_device(self.patch_embedding)
         pixels = device_boundary(images, embedding_device).to(self.patch_embedding.proj.weight.dtype)
         x = self.transformer(self.patch_embedding(pixels))[:, 1:]  # the class row is dropped
@@ -276,14 +288,16 @@ class EVA2CLIPModel(nn.Module):
         sequence holds an image (in this step or in the cache). Returns (inputs_embeds, position_ids,
         attention_mask); text without an image passes through unchanged."""
         query_length = inputs_embeds.shape[1]
-        added_before = rows_added_before(past_key_values, attention_mask, past_length + query_length)
+        callbacks = self.callbacks
+        added_before = rows_added_before(callbacks.image_rows_in_cache(past_key_values), past_key_values,
+                                         attention_mask, past_length + query_length)
         layout = None
         if images is not None and not added_before:  # one image per sequence: later images are generate()'s repeats
             layout = self.locate(input_ids, images, past_length)
             if layout is not None:
                 check_rows_fit(past_key_values, attention_mask)
         if past_key_values is not None and (layout is not None or added_before is None):  # for the later steps
-            setattr(past_key_values, CACHE_ATTRIBUTE, (added_before or 0) + (layout.added if layout else 0))
+            callbacks.record_image_rows(past_key_values, (added_before or 0) + (layout.added if layout else 0))
         if layout is None and not added_before:
             return inputs_embeds, position_ids, check_mask_covers(attention_mask, past_length, query_length, 0)
 
@@ -292,10 +306,10 @@ class EVA2CLIPModel(nn.Module):
         token_mask = attention_mask if is_token_layout(attention_mask, text_past + query_length) else None
         if position_ids is None:  # token positions, as for a text model: from the token-layout mask or the count
             text_positions = (torch.arange(query_length, device=inputs_embeds.device) + text_past)[None]
-            position_ids = ChatGLMModel.default_position_ids(token_mask, text_positions, query_length)
+            position_ids = callbacks.default_position_ids(token_mask, text_positions, query_length)
         if layout is not None:
             check_padding_before_images(token_mask, layout, text_past)
-            features = device_boundary(self(images), inputs_embeds.device).to(inputs_embeds.dtype)
+            features = callbacks.device_boundary(self(images), inputs_embeds.device).to(inputs_embeds.dtype)
             feature_rows = layout.feature_rows(features.shape[1]).unsqueeze(-1).expand(-1, -1, features.shape[-1])
             inputs_embeds = layout.expand(inputs_embeds).scatter(1, feature_rows, features)
             if position_ids.shape[-1] == query_length:  # token positions (the tokenizer's)
@@ -304,7 +318,8 @@ class EVA2CLIPModel(nn.Module):
             # The image's columns go right after each sequence's first real token: the same mask as at the image
             # itself, since no padding sits between them (checked when the image was spliced).
             first_real = token_mask.long().argmax(-1)
-            attention_mask = ImageRows(first_real, added_before + (layout.added if layout else 0)).expand(token_mask)
+            attention_mask = self.image_rows(first_real, added_before + (layout.added if layout else 0)
+                                             ).expand(token_mask)
         return inputs_embeds, position_ids, check_mask_covers(attention_mask, past_length, inputs_embeds.shape[1],
                                                               inputs_embeds.shape[1] - query_length + added_before)
 
@@ -333,7 +348,10 @@ class EVA2CLIPModel(nn.Module):
         if images.shape[0] != input_ids.shape[0]:
             raise ValueError(f"images holds {images.shape[0]} images for {input_ids.shape[0]} sequences: give one "
                              "image per sequence, in the order of the sequences.")
-        return ImageRows(boi_column + 1, self.image_tokens - 1)
+        return self.image_rows(boi_column + 1, self.image_tokens - 1)
+
+    def image_rows(self, columns: torch.Tensor, added: int) -> "ImageRows":
+        return ImageRows(columns, added, self.callbacks.device_boundary)
 
     def labels_in_rows(self, input_ids, labels, shifted: bool = False):
         """Token-layout labels as rows: nothing to predict at the image rows (-100), for any image size. `shifted`:
@@ -344,10 +362,10 @@ class EVA2CLIPModel(nn.Module):
         is_boi = input_ids == self.boi_token_id
         if labels.shape[-1] != input_ids.shape[-1] or not bool(is_boi.any()):
             return labels
-        layout = ImageRows(is_boi.long().argmax(-1) + 1, self.image_tokens - 1)
+        layout = self.image_rows(is_boi.long().argmax(-1) + 1, self.image_tokens - 1)
         feature_rows = layout.feature_rows(self.image_tokens + 2)
         image_rows = feature_rows[:, :-2] if shifted else feature_rows[:, 1:-1]
-        return layout.expand(labels).scatter(1, device_boundary(image_rows, labels.device), -100)
+        return layout.expand(labels).scatter(1, layout.move(image_rows, labels.device), -100)
 
 
 # ======================================================================================================================
@@ -362,6 +380,7 @@ class ImageRows:
 
     columns: torch.Tensor  # [batch], long
     added: int
+    move: Callable = field(compare=False)  # the language model's device_boundary
 
     def sources(self, length: int) -> torch.Tensor:
         """[batch, length + added]: the token column each row takes its entry from."""
@@ -370,7 +389,7 @@ class ImageRows:
 
     def expand(self, tokens: torch.Tensor) -> torch.Tensor:
         """[batch, length, ...] in tokens -> [batch, length + added, ...] in rows."""
-        index = device_boundary(self.sources(tokens.shape[1]), tokens.device)
+        index = self.move(self.sources(tokens.shape[1]), tokens.device)
         index = index.view(index.shape + (1,) * (tokens.dim() - 2)).expand(-1, -1, *tokens.shape[2:])
         return tokens.expand(index.shape[0], *tokens.shape[1:]).gather(1, index)
 
@@ -383,13 +402,13 @@ def is_token_layout(attention_mask, token_length: int) -> bool:
     return attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == token_length
 
 
-def rows_added_before(past_key_values, attention_mask, row_length: int) -> Optional[int]:
-    """Rows an image added to the cached part of the sequence: the count the splicing step left on the cache; for a
-    cache without it (a legacy tuple cache, or one built elsewhere) the excess of the rows over a shorter 2D mask,
-    which is then in tokens; None for a fresh cache."""
+def rows_added_before(recorded: Optional[int], past_key_values, attention_mask, row_length: int) -> Optional[int]:
+    """Rows an image added to the cached part of the sequence: the count the splicing step `recorded` on the cache;
+    for a cache without it (a legacy tuple cache, or one built elsewhere) the excess of the rows over a shorter 2D
+    mask, which is then in tokens; None for a fresh cache."""
     if past_key_values is None:
         return None
-    added = getattr(past_key_values, CACHE_ATTRIBUTE, None)
+    added = recorded
     if added is not None or past_key_values.get_seq_length() == 0:
         return added
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] < row_length:
@@ -431,7 +450,7 @@ def check_padding_before_images(attention_mask, layout: ImageRows, text_past: in
     mask = attention_mask.bool()
     columns = torch.arange(mask.shape[-1], device=mask.device)[None]
     first_real = mask.long().argmax(-1, keepdim=True)
-    image = device_boundary(layout.columns, mask.device)[:, None] + text_past
+    image = layout.move(layout.columns, mask.device)[:, None] + text_past
     if bool((~mask & (columns > first_real) & (columns < image)).any()):
         raise ValueError("attention_mask has padding between the start of a sequence and its image: pad on the left "
                          "(or right) of each sequence only.")

@@ -6,11 +6,11 @@
     python benchmarks/model_benchmark.py --model /path/to/glm-4-9b-chat --device cuda
     python benchmarks/model_benchmark.py --preset glm-4-9b --checkpoint-dtype bfloat16 --device cuda
 
-Both models load from checkpoints on disk (the fork's through trust_remote_code from a folder holding this
-repository's code, the native one converted by tools/native_glm.py), run in this process with `sdpa` attention, and
-are measured in interleaved rounds (fork first, then native first, ...). Each line prints both medians and
-`ratio` = native cost / fork cost (time or bytes; for rates fork / native): >= 1.00 means the fork is at least as
-fast or as small. `rounds` is the spread of the per-round ratios, the noise a ratio is to be read against.
+Both models load from checkpoints on disk (the fork's through trust_remote_code from a folder holding this repository's
+code, the native one converted by tools/chatglm_tools/native_glm.py), run in this process with `sdpa` attention, and are
+measured in interleaved rounds (fork first, then native first, ...). Each line prints both medians and `ratio` = native
+cost / fork cost (time or bytes; for rates fork / native): >= 1.00 means the fork is at least as fast or as small.
+`rounds` is the spread of the per-round ratios, the noise a ratio is to be read against.
 
 Sections: KV bytes the cache keeps alive (every storage counted once, against the theory); prefill time and peak
 tensor memory; single-sequence decode at several contexts and how its cost grows with the context; batched decode;
@@ -52,9 +52,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-import kv_cache  # noqa: E402
-import native_glm  # noqa: E402
-from install_into_checkpoint import CODE_FILES  # noqa: E402
+from chatglm_tools import CODE_FILES, kv_cache, native_glm  # noqa: E402
 
 TRANSFORMERS = Version(transformers.__version__)
 HAS_NATIVE = hasattr(transformers, "GlmForCausalLM")

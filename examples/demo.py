@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-from install_into_checkpoint import CODE_FILES  # noqa: E402  (the files a user copies)
+from chatglm_tools import CODE_FILES  # noqa: E402  (the files a user copies)
 
 # Shrinks glm-4-9b-chat; the vocabulary stays whole so that real tokenizer ids fit.
 DEMO_SIZES = dict(num_layers=2, num_hidden_layers=2, hidden_size=128, ffn_hidden_size=256, kv_channels=32,

@@ -67,7 +67,7 @@ def build_checkpoint(family: str, folder: Path, seed: int = 0) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sys.path.insert(0, str(REPO / "tools"))
-    from install_into_checkpoint import CODE_FILES
+    from chatglm_tools import CODE_FILES
 
     config_name, tokenizer_name = FAMILIES[family]
     config = json.loads((SHARED / "configs" / config_name / "config.json").read_text())

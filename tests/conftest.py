@@ -17,12 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR", REPO.parent / "shared")).resolve()
-# tools/ holds what the tests share with the user tools: the list of code files a user copies, and the device
-# checks of tools/gpu_check.py (tools/device_check.py).
-sys.path.insert(0, str(REPO / "tools"))
-from install_into_checkpoint import CODE_FILES  # noqa: E402
+# tools/chatglm_tools holds what the tests share with the user tools (pytest.ini puts tools/ on the path): the list of
+# code files a user copies, the device checks of tools/gpu_check.py, the reference Glm conversion.
+from chatglm_tools import CODE_FILES, REPO, SHARED, copy_code_into, shared_path  # noqa: E402,F401
 
 
 # The minimal environment (scripts/test.sh, CHATGLM_TEST_ENV=minimal) holds only the six dependencies: tests of an
@@ -51,24 +48,6 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_MODULES_CACHE, ignore_errors=True)
-
-
-def shared_path(*parts) -> Path:
-    """A file of the shared data (golden outputs, real tokenizer files); its absence is an error, not a skip."""
-    path = SHARED.joinpath(*parts)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} is missing: the tests need the shared data folder; set CHATGLM_SHARED_DIR to it."
-        )
-    return path
-
-
-def copy_code_into(folder: Path) -> Path:
-    """Drop the repository's code files into a checkpoint folder, as a user does with a downloaded checkpoint."""
-    for name in CODE_FILES:
-        if (REPO / name).exists():
-            shutil.copy(REPO / name, folder / name)
-    return folder
 
 
 @pytest.fixture(scope="session")

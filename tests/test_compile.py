@@ -2,7 +2,7 @@
 no recompilation from one position to the next) and gives the eager tokens, on every supported transformers."""
 import pytest
 import torch
-from device_check import GREEDY, left_pad
+from chatglm_tools.device_check import GREEDY, left_pad
 from torch._dynamo.testing import CompileCounter
 
 

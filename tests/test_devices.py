@@ -4,7 +4,7 @@ CPU and raise a GPU's "Expected all tensors to be on the same device" error when
 import json
 import re
 
-import device_check
+from chatglm_tools import device_check
 import pytest
 import torch
 from conftest import FAMILIES, REPO, load_causal_lm, shared_path, tiny_config_dict
@@ -252,16 +252,18 @@ def test_glm4v_split_over_devices_equals_single_device(tiny_glm4v):
 
 @pytest.mark.matrix_ends
 def test_glm4v_every_boundary_goes_through_device_boundary(tiny_glm4v, monkeypatch):
-    """The vision tower's crossings too: without device_boundary in visual.py the split model fails as on GPUs, and
-    visual.py has no other device move."""
-    import sys
+    """The vision tower's crossings too: without the device_boundary the model hands visual.py, the split model fails
+    as on GPUs, and visual.py has no other device move."""
+    import dataclasses
 
     model = tiny_glm4v()
     ids, mask, _, images = glm4v_training_batch(22)
-    visual = sys.modules[type(model.transformer.vision).__module__]
+    vision = model.transformer.vision
     with virtual_devices(3) as devices:
         device_check.place(model, glm4v_spread_map(devices))
-        monkeypatch.setattr(visual, "device_boundary", lambda tensor, device: tensor)
+        no_boundary = dataclasses.replace(vision.callbacks, device_boundary=lambda tensor, device: tensor)
+        for module in (vision, vision.transformer):
+            monkeypatch.setattr(module, "callbacks", no_boundary)
         # A convolution words it its own way on GPUs too: "Input type (...) and weight type (...) should be the same".
         with pytest.raises(RuntimeError, match=f"{CROSS_DEVICE}|Input type .* and weight type .* should be the same"):
             model(input_ids=ids, attention_mask=mask, images=images)

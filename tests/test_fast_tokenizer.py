@@ -442,7 +442,7 @@ def chatglm3_files():
 def test_converter_in_a_hub_cache_snapshot_replaces_the_link_keeps_the_blob_and_reverts(quick_converter, tmp_path):
     fast_converter = quick_converter
     import install_into_checkpoint
-    from folder_transaction import ORIGINALS
+    from chatglm_tools.folder_transaction import ORIGINALS
 
     layout = hub_cache(tmp_path, chatglm3_files(), repo_id="THUDM/chatglm3-6b")
     cache, snapshot = layout["cache"], layout["a"]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 from conftest import FAMILIES
-from device_check import left_pad
+from chatglm_tools.device_check import left_pad
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from conftest import (GLM4V_ASSISTANT, GLM4V_IMAGE, GLM4V_PREFIX, TRANSFORMERS, Version, glm4v_prompt, load_causal_lm,
                       random_images, save_checkpoint)
-from device_check import left_pad
+from chatglm_tools.device_check import left_pad
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 

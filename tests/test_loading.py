@@ -147,6 +147,68 @@ def test_import_has_no_global_side_effects(tmp_path):
     assert "torch._C._jit" not in (REPO / "modeling_chatglm.py").read_text()
 
 
+LOADERS = ("import_companion", "repository_module", "import_module")  # functions that import a module named by a string
+
+
+def called_name(call) -> str:
+    return getattr(call.func, "id", getattr(call.func, "attr", ""))
+
+
+def repository_imports() -> dict:
+    """Module -> the repository modules it imports, read from the source of every Python file of the repository:
+    import statements anywhere (also inside functions), relative imports, and the modules loaded by name
+    (import_companion("visual"), repository_module("tokenization_chatglm"), importlib.import_module("..."))."""
+    import ast
+
+    files = {}
+    for path in sorted(REPO.rglob("*.py")):
+        relative = path.relative_to(REPO)
+        if relative.parts[0].startswith("."):
+            continue
+        package = relative.parts[1:-1] if relative.parts[0] == "tools" else ()
+        name = ".".join(package + (() if path.stem == "__init__" else (path.stem,)))
+        files[name] = (path, ".".join(package))
+    graph = {}
+    for name, (path, package) in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            found = []
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: within the file's package (remote code: beside it)
+                    base = ".".join(filter(None, (package, base)))
+                found = [base] + [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
+            elif isinstance(node, ast.Call) and called_name(node) in LOADERS and node.args \
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found = [node.args[0].value.split(".")[-1]]
+            targets.update(target for target in found if target in files and target != name)
+        graph[name] = targets
+    return graph
+
+
+def test_repository_import_graph_has_no_loop():
+    """visual.py gets what it needs of modeling_chatglm.py as arguments (no import back), and no other file of the
+    repository imports one that imports it."""
+    graph = repository_imports()
+    assert {"modeling_chatglm", "visual", "chatglm_tools.folder_transaction"} <= set(graph)
+    assert "visual" in graph["modeling_chatglm"] and "modeling_chatglm" not in graph["visual"]
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            assert state.get(target) != "open", "import loop: " + " -> ".join(path + [target])
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
 @pytest.mark.skipif(TRANSFORMERS >= Version("5.0"), reason="transformers 5 removed legacy tuple caches")
 def test_legacy_tuple_cache_is_accepted_and_returned(tiny_model):
     model = tiny_model("glm4")

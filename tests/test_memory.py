@@ -4,8 +4,7 @@ checkpoint file mapped."""
 import gc
 from pathlib import Path
 
-import device_check
-import kv_cache
+from chatglm_tools import device_check, kv_cache
 import pytest
 import torch
 from conftest import FAMILIES, load_causal_lm

@@ -2,7 +2,7 @@
 import pytest
 import torch
 from conftest import TRANSFORMERS, Version
-from native_glm import native_glm
+from chatglm_tools.native_glm import native_glm
 from reference_glm import reference_logits
 
 # FORMAT.md: the original reproduces itself bit for bit; thread count and SDPA vs eager move logits by ~2e-5.

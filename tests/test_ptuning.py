@@ -4,7 +4,7 @@ and PEFT prefix tuning on the same Cache path."""
 import json
 import shutil
 
-import device_check
+from chatglm_tools import device_check
 import pytest
 import torch
 import transformers

@@ -18,7 +18,7 @@ from conftest import CODE_FILES, REPO, TRANSFORMERS, load_causal_lm, shared_path
 from packaging.version import Version
 
 import install_into_checkpoint as installer
-from folder_transaction import JOURNAL, MANIFEST, ORIGINALS, TRANSACTION, fork_version
+from chatglm_tools.folder_transaction import JOURNAL, MANIFEST, ORIGINALS, TRANSACTION, fork_version
 from tool_faults import (
     ORIGINAL_CODE, FaultyDisk, byte_budgets, checkpoint_files, dangling_links, folder_state, hub_cache, run_tool,
     tiny_safetensors, write_checkpoint,

@@ -86,7 +86,7 @@ def test_loss_arguments_change_the_loss_as_transformers_does(tiny_model, case):
     torch.testing.assert_close(out.loss, written_out_loss(out.logits, labels, **extra))
     name = next(iter(extra))
     if transformers_loss_takes(name):  # transformers' own loss and GlmForCausalLM on the same weights (>= 4.46)
-        from native_glm import native_glm
+        from chatglm_tools.native_glm import native_glm
         from transformers.loss.loss_utils import ForCausalLMLoss
 
         torch.testing.assert_close(out.loss, ForCausalLMLoss(out.logits, labels, 256, **extra))
@@ -254,7 +254,7 @@ def test_sequence_classification_losses(tiny_model, chatglm):
 def glm4v_answers_batch(seed, image_size=8):
     """Left-padded prompts with one image each plus an answer; labels on the answers only (token layout)."""
     from conftest import glm4v_prompt, random_images
-    from device_check import left_pad
+    from chatglm_tools.device_check import left_pad
 
     generator = torch.Generator().manual_seed(seed)
     rows = [glm4v_prompt(n, generator) + torch.randint(3, 495, (a,), generator=generator).tolist()

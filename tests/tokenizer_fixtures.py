@@ -1,7 +1,7 @@
 """Tokenizer fixtures: checkpoint-like folders built from the shared tokenizer files plus our tokenization_chatglm.py.
 
-conftest.py imports everything here (`from tokenizer_fixtures import *`). The conftest helpers are imported inside
-the functions, so the import order between the two modules does not matter.
+conftest.py imports everything here (`from tokenizer_fixtures import *`); this module imports nothing of conftest.py
+(the shared paths come from tools/chatglm_tools).
 """
 import importlib
 import json
@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from chatglm_tools import copy_code_into, shared_path
 
 __all__ = [
     "load_jsonl",
@@ -29,15 +31,9 @@ __all__ = [
 TOKENIZER_DIRS = {"glm4": "glm-4-9b-chat", "chatglm3": "chatglm3-6b"}
 
 
-def _conftest():
-    import conftest
-
-    return conftest
-
-
 def load_jsonl(*parts) -> list:
     """Records of a shared JSON-lines file (a missing file is an error, not a skip)."""
-    path = _conftest().shared_path(*parts)
+    path = shared_path(*parts)
     with open(path, encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
@@ -47,7 +43,7 @@ def make_tokenizer_folder(folder: Path, family: str, config_changes=None, drop_c
 
     `config_changes` / `drop_config_keys` edit the copied tokenizer_config.json (for variants and bad-input tests).
     """
-    source = _conftest().shared_path("tokenizers", TOKENIZER_DIRS[family])
+    source = shared_path("tokenizers", TOKENIZER_DIRS[family])
     folder.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
         shutil.copyfile(item, folder / item.name)
@@ -58,7 +54,7 @@ def make_tokenizer_folder(folder: Path, family: str, config_changes=None, drop_c
             config.pop(key, None)
         config.update(config_changes or {})
         config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
-    return _conftest().copy_code_into(folder)
+    return copy_code_into(folder)
 
 
 def load_tokenizer(folder: Path, **kwargs):

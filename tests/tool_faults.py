@@ -1,5 +1,6 @@
-"""Fault injection for the tools that write into checkpoint folders (tools/folder_transaction.py's DISK seam), the
-folders they are tried on, and an exact picture of a folder to compare before and after.
+"""Fault injection for the tools that write into checkpoint folders (the DISK seam of
+tools/chatglm_tools/folder_transaction.py), the folders they are tried on, and an exact picture of a folder to compare
+before and after.
 
 Imported by tests/test_tools.py and tests/test_fast_tokenizer.py, and run as a script in a child process:
 
@@ -20,9 +21,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-import folder_transaction  # noqa: E402
 import install_into_checkpoint  # noqa: E402
-from folder_transaction import TRANSACTION, Disk  # noqa: E402
+from chatglm_tools import folder_transaction  # noqa: E402
+from chatglm_tools.folder_transaction import TRANSACTION, Disk  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -24,10 +24,10 @@ parsed: transformers registers a fast tokenizer's unk, eos and pad tokens as add
 Both add the `[gMASK] <sop>` prefix (ChatGLM3: `[gMASK] sop`) with add_special_tokens=True, and pairs end with the eos
 token. The merges are written in the format every tokenizers release reads (0.19, transformers 4.44, and up).
 
-The file is written as install_into_checkpoint.py writes (folder_transaction.py): atomically, never through a link
-(in a Hugging Face cache snapshot the link is replaced, the blob is untouched), an existing tokenizer.json kept in
-`chatglm_fork_originals/` and recorded in the folder's manifest, so `--revert` here or in install_into_checkpoint.py
-puts it back. Exit codes: 0 done, 1 failed with the folder unchanged, 2 refused.
+The file is written as install_into_checkpoint.py writes (chatglm_tools/folder_transaction.py): atomically, never
+through a link (in a Hugging Face cache snapshot the link is replaced, the blob is untouched), an existing
+tokenizer.json kept in `chatglm_fork_originals/` and recorded in the folder's manifest, so `--revert` here or in
+install_into_checkpoint.py puts it back. Exit codes: 0 done, 1 failed with the folder unchanged, 2 refused.
 """
 import argparse
 import json
@@ -37,15 +37,16 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from folder_transaction import (
+from chatglm_tools import repository_module
+from chatglm_tools.folder_transaction import (
     REPO, Refused, check_target_folder, command, exit_code, finish_interrupted_run, folder_lock, plan_update,
     read_manifest, report, run_plan,
 )
 
-sys.path.insert(0, str(REPO))
-from tokenization_chatglm import (  # noqa: E402
-    CHATGLM3_N_PIECES, GLM4_PAT_STR, ChatGLM4Tokenizer, ChatGLMTokenizer, read_tiktoken_ranks,
-)
+_tokenization = repository_module("tokenization_chatglm")
+CHATGLM3_N_PIECES, GLM4_PAT_STR = _tokenization.CHATGLM3_N_PIECES, _tokenization.GLM4_PAT_STR
+ChatGLM4Tokenizer, ChatGLMTokenizer = _tokenization.ChatGLM4Tokenizer, _tokenization.ChatGLMTokenizer
+read_tiktoken_ranks = _tokenization.read_tiktoken_ranks
 
 TOOL = "convert_tokenizer_to_fast.py"
 FAMILY_NAMES = {"glm4": "GLM-4", "chatglm3": "ChatGLM3"}

@@ -36,7 +36,8 @@ from types import SimpleNamespace
 
 import torch
 
-from folder_transaction import REPO, Failed, Refused, exit_code, report
+from chatglm_tools import REPO, repository_module
+from chatglm_tools.folder_transaction import Failed, Refused, exit_code, report
 
 TOOL = "export_to_native_glm.py"
 # safetensors' dtype names (its format) and torch's
@@ -194,9 +195,9 @@ class Piece:
 
 
 def native_pieces(weights: SourceWeights, sizes: SimpleNamespace) -> list:
-    """The export's tensors in Glm's names and checkpoint order (tools/native_glm.py's mapping), from the source's
-    metadata alone: the fused query_key_value is cut into q/k/v rows."""
-    from native_glm import glm_weight_map, key_value_heads
+    """The export's tensors in Glm's names and checkpoint order (the mapping of tools/chatglm_tools/native_glm.py),
+    from the source's metadata alone: the fused query_key_value is cut into q/k/v rows."""
+    from chatglm_tools.native_glm import glm_weight_map, key_value_heads
 
     fused_rows = (sizes.num_attention_heads + 2 * key_value_heads(sizes)) * sizes.kv_channels
     pieces = []
@@ -261,7 +262,7 @@ def write_shards(pieces: list, weights: SourceWeights, folder: Path, max_shard_b
 # ---------------------------------------------------------------------------------------------------------------------
 
 def glm_sizes(config: dict) -> SimpleNamespace:
-    """What tools/native_glm.py reads of a ChatGLMConfig, from config.json."""
+    """What tools/chatglm_tools/native_glm.py reads of a ChatGLMConfig, from config.json."""
     return SimpleNamespace(
         padded_vocab_size=config["padded_vocab_size"], hidden_size=config["hidden_size"],
         ffn_hidden_size=config["ffn_hidden_size"], num_layers=config["num_layers"],
@@ -282,7 +283,7 @@ def eos_ids(config: dict, family: str, tokenizer) -> list:
 
 
 def write_config(folder: Path, sizes, dtype, eos: list, pad_id: int) -> None:
-    from native_glm import native_glm_config
+    from chatglm_tools.native_glm import native_glm_config
 
     glm = native_glm_config(sizes)
     glm.architectures = ["GlmForCausalLM"]
@@ -320,8 +321,9 @@ def write_tokenizer(source: Path, folder: Path, seq_length: int):
         (folder / "tokenizer.json").write_bytes(tokenizer_json(build_fast_tokenizer(model_path)))
     except ValueError as error:  # a damaged or foreign tokenizer.model; the message names the file
         raise Refused(str(error)) from None
-    sys.path.insert(0, str(REPO))
-    from tokenization_chatglm import ChatGLM4Tokenizer, ChatGLMTokenizer, keep_glm4_tool_heading_newlines
+    tokenization = repository_module("tokenization_chatglm")
+    ChatGLM4Tokenizer, ChatGLMTokenizer = tokenization.ChatGLM4Tokenizer, tokenization.ChatGLMTokenizer
+    keep_glm4_tool_heading_newlines = tokenization.keep_glm4_tool_heading_newlines
 
     slow_class = ChatGLM4Tokenizer if family == "glm4" else ChatGLMTokenizer
     slow = slow_class(vocab_file=str(model_path))

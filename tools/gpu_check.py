@@ -7,7 +7,7 @@ GPUs), in fp32 and bf16, against the same model on one device. Prints a table; e
 Each row: forward logits and loss on a left-padded batch, the gradients of one backward, greedy and batched greedy
 generation (with a repetition penalty, which reads ids beside the scores), and where each layer's KV cache lives
 after prefill and a decode step. Inputs start on the CPU, as a tokenizer returns them; any warning about devices
-fails the row. Shares its checks with the test suite's virtual-device tests (tools/device_check.py).
+fails the row. Shares its checks with the test suite's virtual-device tests (tools/chatglm_tools/device_check.py).
 """
 import argparse
 import importlib
@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import device_check  # noqa: E402
+from chatglm_tools import REPO, device_check
 
 FAMILY_FIELDS = {  # the fields that differ between the families' real configs, at tiny sizes
     "glm4": dict(rope_ratio=500, layernorm_epsilon=1.5625e-07),

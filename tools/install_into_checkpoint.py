@@ -22,15 +22,12 @@ import struct
 import sys
 from pathlib import Path
 
-from folder_transaction import (
+from chatglm_tools import CODE_FILES
+from chatglm_tools.folder_transaction import (
     MANIFEST, ORIGINALS, REPO, TRANSACTION, Refused, check_target_folder, command, exit_code, finish_interrupted_run,
     folder_lock, fork_version, look, plan_update, read_manifest, report, run_plan, sha256,
 )
 
-# The files a user copies over a downloaded checkpoint (the demo and the tests read this list too). A companion
-# file added here later is installed by the next run, its original (if the checkpoint has one) kept like the others.
-CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py", "parallel_chatglm.py",
-              "visual.py")
 TOOL = "install_into_checkpoint.py"
 # A key every ChatGLM2/3 and GLM-4 checkpoint has, and what other families have instead.
 FAMILY_KEY = "transformer.encoder.layers.0.self_attention.query_key_value.weight"

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
-REPO = Path(__file__).resolve().parents[1]
+from . import REPO
+
 MANIFEST = "chatglm_fork_manifest.json"
 ORIGINALS = "chatglm_fork_originals"
 TRANSACTION = ".chatglm_fork_transaction"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kv_cache
+from . import kv_cache
 
 # repetition_penalty: a logits processor that reads the ids beside the scores, so both must share a device.
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)

@@ -1,0 +1,48 @@
+"""Libraries shared by the user commands in tools/, the tests and the benchmarks; none of them is a command.
+
+    folder_transaction   journaled, reversible changes to a checkpoint folder (install, convert, export)
+    device_check         runs that must agree across device placements (tests, tools/gpu_check.py)
+    native_glm           conversion to transformers' own GlmForCausalLM, the independent reference
+    kv_cache             what a transformers KV cache holds, on every supported release
+
+Import them as `from chatglm_tools import folder_transaction`. The one path setup is `tools/` on sys.path: Python
+puts it there for every command in tools/ (a script's own folder comes first), pytest.ini's `pythonpath` for the
+tests, and each script in benchmarks/, examples/ and scripts/ inserts it once at its top.
+"""
+import importlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# The shared data (real tokenizer files, golden outputs of the original code): CHATGLM_SHARED_DIR, else ../shared.
+SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR", REPO.parent / "shared")).resolve()
+
+# The files a user copies over a downloaded checkpoint (the installer, the demo, the tests and the benchmarks read this
+# list). A companion file added here later is installed by the installer's next run, its original kept like the others.
+CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py", "parallel_chatglm.py",
+              "visual.py")
+
+
+def shared_path(*parts) -> Path:
+    """A file of the shared data; its absence is an error (never a skip) that says how to point at the folder."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: this needs the shared data folder; set CHATGLM_SHARED_DIR to it.")
+    return path
+
+
+def copy_code_into(folder: Path) -> Path:
+    """The repository's code files dropped into a checkpoint folder, as a user does with a downloaded checkpoint."""
+    for name in CODE_FILES:
+        if (REPO / name).exists():
+            shutil.copy(REPO / name, folder / name)
+    return folder
+
+
+def repository_module(name: str):
+    """A top-level file of this repository imported as a plain module (the tools read tokenization_chatglm.py so)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module(name)
