@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR", REPO.parent / "shared"))
+sys.path.insert(0, str(REPO / "tools"))
+from chatglm_tools import SHARED  # noqa: E402
+
 FAMILIES = {"glm4": "glm-4-9b-chat", "chatglm3": "chatglm3-6b"}
 
 
@@ -37,7 +39,6 @@ def prepare_folder(workdir: Path, family: str) -> Path:
     for item in (SHARED / "tokenizers" / FAMILIES[family]).iterdir():
         shutil.copyfile(item, folder / item.name)
     shutil.copyfile(REPO / "tokenization_chatglm.py", folder / "tokenization_chatglm.py")
-    sys.path.insert(0, str(REPO / "tools"))
     import convert_tokenizer_to_fast
 
     tokenizer = convert_tokenizer_to_fast.build_fast_tokenizer(folder / "tokenizer.model")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-from chatglm_tools import CODE_FILES  # noqa: E402  (the files a user copies)
+from chatglm_tools import CODE_FILES, SHARED  # noqa: E402  (the files a user copies, the shared data folder)
 
 # Shrinks glm-4-9b-chat; the vocabulary stays whole so that real tokenizer ids fit.
 DEMO_SIZES = dict(num_layers=2, num_hidden_layers=2, hidden_size=128, ffn_hidden_size=256, kv_channels=32,
@@ -26,8 +26,7 @@ DEMO_SIZES = dict(num_layers=2, num_hidden_layers=2, hidden_size=128, ffn_hidden
 
 def tokenizer_files() -> Path | None:
     """GLM-4's tokenizer.model from the shared data folder (CHATGLM_SHARED_DIR), if it is there."""
-    shared = Path(os.environ.get("CHATGLM_SHARED_DIR", REPO.parent / "shared"))
-    model_file = shared / "tokenizers" / "glm-4-9b-chat" / "tokenizer.model"
+    model_file = SHARED / "tokenizers" / "glm-4-9b-chat" / "tokenizer.model"
     return model_file if model_file.exists() and (REPO / "tokenization_chatglm.py").exists() else None
 
 

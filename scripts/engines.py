@@ -27,7 +27,9 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR", REPO.parent / "shared"))
+sys.path.insert(0, str(REPO / "tools"))
+from chatglm_tools import CODE_FILES, SHARED  # noqa: E402  (stdlib only: importable in every environment)
+
 NEW_TOKENS = 16
 CONTEXT = 512
 
@@ -65,9 +67,6 @@ def build_checkpoint(family: str, folder: Path, seed: int = 0) -> None:
     """The family's real config.json shrunk to SIZES, random weights, real tokenizer files, our code files."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    sys.path.insert(0, str(REPO / "tools"))
-    from chatglm_tools import CODE_FILES
 
     config_name, tokenizer_name = FAMILIES[family]
     config = json.loads((SHARED / "configs" / config_name / "config.json").read_text())
