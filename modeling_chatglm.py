@@ -199,8 +199,7 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
     has not seen, given by `cache_position`, and the prompt embeddings on the first step only. A static cache gets its
     mask at full length, so that a compiled decode step sees the same shapes at every position (as later versions
     do)."""
-    if isinstance(past_key_values, (tuple, list)):  # the forward returns the legacy format it was given (PEFT's)
-        past_key_values = cache_from_legacy(past_key_values)
+    past_key_values = as_cache(past_key_values)  # the forward returns the legacy format it was given (PEFT's)
     past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
     first_step = past_length == 0
     if cache_position is None:
@@ -687,9 +686,11 @@ def new_static_cache(config: ChatGLMConfig, batch_size: int, max_cache_len: int,
                        **{name: value for name, value in optional.items() if name in accepted})
 
 
-def cache_from_legacy(past_key_values) -> DynamicCache:
-    """A tuple of (key, value) per layer, each [batch, kv_heads, seq, head_dim]; accepted where transformers still
-    converts them (< 5.0)."""
+def as_cache(past_key_values) -> Optional[Cache]:
+    """past_key_values as a Cache: a legacy tuple of (key, value) per layer, each [batch, kv_heads, seq, head_dim],
+    converted where transformers still converts them (< 5.0); a Cache, or None, as given."""
+    if not isinstance(past_key_values, (tuple, list)):
+        return past_key_values
     if not hasattr(DynamicCache, "from_legacy_cache"):
         raise TypeError(
             f"past_key_values as a tuple of tensors is not supported with transformers {transformers.__version__}: "
@@ -702,11 +703,10 @@ def cache_for_forward(past_key_values, config: ChatGLMConfig, use_cache: bool) -
     """The cache a forward reads and writes, and whether the caller gave legacy tuples (it gets tuples back). A cache
     given with use_cache=False is still read, as the original and transformers' models do; only a cache this call
     would create is skipped."""
-    if isinstance(past_key_values, (tuple, list)):
-        return cache_from_legacy(past_key_values), True
-    if past_key_values is None and use_cache:
-        return new_dynamic_cache(config), False
-    return past_key_values, False
+    cache = as_cache(past_key_values)
+    if cache is None and use_cache:
+        cache = new_dynamic_cache(config)
+    return cache, isinstance(past_key_values, (tuple, list))
 
 
 def cache_to_return(cache: Optional[Cache], use_cache: bool, legacy: bool):
@@ -2063,8 +2063,7 @@ class ChatMixin:
         history = checked_history(history)
         inputs = chat_inputs(tokenizer, query, history, role, continuing=past_key_values is not None)
         if past_key_values is not None:
-            if isinstance(past_key_values, (tuple, list)):
-                past_key_values = cache_from_legacy(past_key_values)
+            past_key_values = as_cache(past_key_values)
             past_length = self.cached_tokens(past_key_values)
             inputs.pop("position_ids", None)  # the new turn continues after the cache: positions follow the mask
             mask = inputs["attention_mask"]
