@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -76,6 +77,14 @@ logger = logging.get_logger(__name__)
 # ======================================================================================================================
 # Compatibility shims: transformers 4.44.2 ... 5.x. Each names the releases that need it; nothing else lives here.
 # ======================================================================================================================
+
+
+def transformers_at_least(release: str) -> bool:
+    """Whether the installed transformers is the "major.minor" `release` or later, its development builds included.
+    Releases are told apart by version, not by the name of a parameter: 5.24 renamed the one that told 4.46 from 4.45
+    here. (Read without `packaging`: transformers' remote-code check asks for every package a file imports.)"""
+    installed = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", transformers.__version__).groups())
+    return installed >= tuple(int(part) for part in release.split("."))
 
 
 try:  # the attention-function registry appeared in 4.48
@@ -162,9 +171,64 @@ _HAS_ACTIVATION_CHECKPOINTING = hasattr(PreTrainedModel, "activation_checkpointi
 
 
 # 4.44 and 4.45 have no generic GenerationMixin.prepare_inputs_for_generation (the 4.44 one only raises).
-_HAS_GENERIC_PREPARE_INPUTS = "past_key_values" in inspect.signature(
-    GenerationMixin.prepare_inputs_for_generation
-).parameters
+_HAS_GENERIC_PREPARE_INPUTS = transformers_at_least("4.46")
+
+
+# 4.51 moved each step's logits to the device of generate()'s ids (`.to(device=input_ids.device)`); 4.44 to 4.50 use
+# them where the output layer leaves them, so their ids must sit there too. Every release warns when the prompt's
+# device type differs from model.device's (the embedding's), 5.23+ not for a prompt on the CPU.
+_GENERATE_MOVES_LOGITS = transformers_at_least("4.51")
+_DEVICE_TYPE_WARNING = r"You are calling \.generate\(\) with the `input_ids` being on a device type different"
+
+
+def generation_device(model: nn.Module) -> torch.device:
+    """Where generate() keeps its ids, mask and new tokens: model.device, the device its check compares the prompt
+    with (4.51+), or the logits' device (4.44 to 4.50)."""
+    if _GENERATE_MOVES_LOGITS:
+        return model.device
+    return execution_device(model.transformer.output_layer) or model.device
+
+
+@contextmanager
+def quiet_device_type_check(model: nn.Module, device: torch.device):
+    """4.44 to 4.50, ids on the logits' device (generation_device) of another type than model.device: generate()'s
+    warning about the prompt's device type is wrong for this model, and is not shown. Nothing is silenced elsewhere."""
+    if _GENERATE_MOVES_LOGITS or device.type == model.device.type:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DEVICE_TYPE_WARNING, category=UserWarning)
+        yield
+
+
+# 5.24 renamed the KV-cache argument and output field: generate() passes `cache=` to the forward and reads
+# `outputs.cache`; `past_key_values` is deprecated there (removal planned for 5.40 / 6.0), and reading or writing it
+# logs a deprecation. Earlier releases know `past_key_values` only. The forwards take either name where the release
+# has both (never the two at once), and every output and call of this file uses the release's name.
+CACHE_NAME = "cache" if transformers_at_least("5.24") else "past_key_values"
+
+
+def caller_cache(past_key_values, cache):
+    """The cache a caller passed to a forward, as `past_key_values` (every release) or `cache` (5.24+)."""
+    if cache is None:
+        return past_key_values
+    if CACHE_NAME != "cache":
+        raise TypeError(f"cache= is the name transformers 5.24 gave the KV cache; transformers "
+                        f"{transformers.__version__} passes it as past_key_values: use that name.")
+    if past_key_values is not None:
+        raise ValueError("Both past_key_values and cache were given: they are the same argument (transformers 5.24 "
+                         "renamed past_key_values to cache). Pass the cache once, under either name.")
+    return cache
+
+
+def cache_output(cache) -> dict:
+    """The output field that holds the returned cache, under the release's name (for ModelOutput classes)."""
+    return {CACHE_NAME: cache}
+
+
+def returned_cache(outputs):
+    """The cache a forward returned (a ModelOutput), read under the release's name."""
+    return getattr(outputs, CACHE_NAME)
 
 
 # The static cache's length is `get_max_length` on 4.44, `get_max_cache_shape` on 4.46 to 5.x (4.46 to 4.57 log a
@@ -172,8 +236,7 @@ _HAS_GENERIC_PREPARE_INPUTS = "past_key_values" in inspect.signature(
 # `get_max_cache_shape`). A deprecated call logs, and logging inside a compiled graph breaks it.
 _MAX_LENGTH_QUERY = (
     "get_max_length"
-    if hasattr(Cache, "get_max_length")
-    and (int(transformers.__version__.split(".")[0]) >= 5 or not hasattr(Cache, "get_max_cache_shape"))
+    if hasattr(Cache, "get_max_length") and (transformers_at_least("5.0") or not hasattr(Cache, "get_max_cache_shape"))
     else "get_max_cache_shape"
 )
 
@@ -785,7 +848,7 @@ def reserve_static_cache_room(model: nn.Module, inputs: Optional[torch.Tensor], 
                               ) -> dict:
     """generate(cache_implementation="static") sizes its cache for the prompt and the new tokens only; with
     `leading_slots` (a P-tuning v2 prefix) the static cache is built here, that much larger, and handed to generate."""
-    if not leading_slots or kwargs.get("past_key_values") is not None:
+    if not leading_slots or any(kwargs.get(name) is not None for name in ("past_key_values", "cache")):
         return kwargs
     config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     config.update(**{name: value for name, value in kwargs.items() if hasattr(config, name)})
@@ -802,7 +865,7 @@ def reserve_static_cache_room(model: nn.Module, inputs: Optional[torch.Tensor], 
     )
     config.cache_implementation = None
     kwargs = {name: value for name, value in kwargs.items() if name != "cache_implementation"}
-    return dict(kwargs, past_key_values=cache, generation_config=config)
+    return dict(kwargs, **cache_output(cache), generation_config=config)
 
 
 # GLM-4V: how many rows its images added to the sequence a cache holds (an image's N + 2 rows replace its 3 tokens),
@@ -1251,7 +1314,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["GLMBlock", "TransformerLayer"]  # TransformerLayer: GLM-4V's vision blocks
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache's layers stay where they are (5.24 name)
     _supports_sdpa = True
     _supports_flash_attn_2 = True  # 4.x name
     _supports_flash_attn = True  # 5.x name
@@ -1436,11 +1499,14 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         images: Optional[torch.Tensor] = None,
+        cache: Optional[Cache] = None,
         **kwargs,
     ):
         """`images` (GLM-4V): pixels [batch, 3, S, S], one image per sequence, spliced in where its ids hold
         <|begin_of_image|>; `attention_mask` and `position_ids` then stay in tokens, as the tokenizer makes them.
+        `cache` is transformers 5.24's name for `past_key_values` (pass one of the two).
         Keyword arguments the model does not read go to the attention kernel (attention backends pass theirs so)."""
+        past_key_values = caller_cache(past_key_values, cache)
         config = self.config
         output_attentions = output_attentions if output_attentions is not None else config.output_attentions
         output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
@@ -1467,7 +1533,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         if config.fp32_residual_connection:
             hidden_states = hidden_states.to(self.compute_dtype)
         outputs = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=cache_to_return(cache, use_cache, legacy),
+            last_hidden_state=hidden_states, **cache_output(cache_to_return(cache, use_cache, legacy)),
             hidden_states=all_hidden_states, attentions=all_attentions,
         )
         return outputs if return_dict else outputs.to_tuple()
@@ -2121,7 +2187,7 @@ class ChatMixin:
         while input_ids.shape[1] < max_length:
             outputs = self(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
-            past_key_values = outputs.past_key_values
+            past_key_values = returned_cache(outputs)
             scores = processors(input_ids, outputs.logits[:, -1, :].float())
             if config.do_sample:
                 next_tokens = torch.multinomial(F.softmax(scores, dim=-1), num_samples=1).squeeze(1)
@@ -2225,7 +2291,7 @@ def quantize_linear_layers(module: nn.Module, bits: int):
 
 def as_tuple(loss, logits, outputs) -> tuple:
     """The return_dict=False outputs of a head: loss, logits, cache, hidden states, attentions, leaving out None."""
-    values = (loss, logits, outputs.past_key_values, outputs.hidden_states, outputs.attentions)
+    values = (loss, logits, returned_cache(outputs), outputs.hidden_states, outputs.attentions)
     return tuple(v for v in values if v is not None)
 
 
@@ -2300,6 +2366,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         return_last_logit: Optional[bool] = False,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         images: Optional[torch.Tensor] = None,
+        cache: Optional[Cache] = None,
         **loss_kwargs,  # the Trainer of 4.46-4.48 passes num_items_in_batch only to a `**loss_kwargs` by that name
     ):
         """`labels` give the causal-LM loss in fp32, as transformers' ForCausalLMLoss computes it: shifted left, or
@@ -2308,13 +2375,13 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of the last positions only.
         `images` (GLM-4V, see ChatGLMModel.forward): the logits have a row per image row, and token-layout labels are
         mapped to those rows (-100 on the image). Other keyword arguments go to the base model (and from there to the
-        attention kernel)."""
+        attention kernel). `cache` is transformers 5.24's name for `past_key_values` (pass one of the two)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         loss_args = {name: loss_kwargs.pop(name) for name in ("num_items_in_batch", "shift_labels", "ignore_index")
                      if name in loss_kwargs}
         outputs = self.transformer(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            past_key_values=caller_cache(past_key_values, cache), inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
             images=images, **loss_kwargs,
         )
@@ -2343,7 +2410,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_output(returned_cache(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -2363,17 +2430,19 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         )
 
     def generate(self, inputs=None, *args, **kwargs):
-        """transformers' generate(), with its bookkeeping (prompt, mask, the tokens it appends) on the logits' device:
-        new tokens are picked there, and logits processors read the ids beside the scores. Each forward moves the
-        step's inputs to the embedding's device. Without this, a prompt left on the CPU warns and runs slowly before
-        5.x, and a model split over devices fails there unless accelerate's hooks move the logits back."""
+        """transformers' generate(), with its bookkeeping (prompt, mask, the tokens it appends) on one device, wherever
+        the caller left the inputs: model.device (4.51+, which move each step's logits there) or the logits' device
+        (before 4.51, whose logits processors read the ids beside the scores where the output layer left them); see
+        `generation_device`. Each forward moves the step's inputs to the embedding's device. Without this, a prompt
+        left on the CPU warns, and a model split over devices fails on 4.44 to 4.50 unless accelerate's hooks move the
+        logits back."""
         if args:  # generate(ids, generation_config, logits_processor, ...): named as transformers' generate names them
             names = [parameter.name for parameter in inspect.signature(GenerationMixin.generate).parameters.values()
                      if parameter.kind is parameter.POSITIONAL_OR_KEYWORD][2:]  # after self, inputs
             if len(args) > len(names):
                 raise TypeError(f"generate() takes at most {len(names)} positional arguments after inputs")
             kwargs.update(zip(names, args))
-        device = execution_device(self.transformer.output_layer)
+        device = generation_device(self)
         if isinstance(inputs, torch.Tensor):
             inputs = device_boundary(inputs, device)
         for name in ("input_ids", "attention_mask", "position_ids", "inputs_embeds"):
@@ -2382,17 +2451,23 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         kwargs = reserve_static_cache_room(self, inputs, kwargs, prefix_length(self))  # P-tuning v2
         warn_beyond_seq_length(self.config, kwargs.get("max_new_tokens"),
                                kwargs.get("generation_config") or self.generation_config)
-        return super().generate(inputs, **kwargs)
+        with quiet_device_type_check(self, device):
+            return super().generate(inputs, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       position_ids=None, inputs_embeds=None, **kwargs):
+        """transformers' input preparation (ours on 4.44/4.45), given the cache under the release's name. The inputs
+        it returns hold the cache as `past_key_values` on every release: PEFT (0.12 to 0.21, the newest) looks for it
+        there and puts its prefix-tuning prefix there, so under 5.24's `cache` a prefix would come as a second cache."""
+        past_key_values = caller_cache(past_key_values, kwargs.pop("cache", None))
         if position_ids is not None and inputs_embeds is None and position_ids.shape[-1] < input_ids.shape[-1]:
             position_ids = extend_position_ids(position_ids, input_ids.shape[-1])
         if _HAS_GENERIC_PREPARE_INPUTS:
             model_inputs = super().prepare_inputs_for_generation(
-                input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
-                position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs,
+                input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
+                **cache_output(past_key_values), **kwargs,
             )
+            model_inputs["past_key_values"] = model_inputs.pop(CACHE_NAME, None)
         else:
             model_inputs = prepare_inputs_before_4_46(
                 input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, config=self.config, **kwargs
@@ -2429,15 +2504,17 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        cache: Optional[Cache] = None,
         **kwargs,
     ):
         """Classifies each sequence from its last real token (the last column where attention_mask is 1, so left
         and right padding both work; the last position without a mask, as in the original). `full_attention_mask`
-        keeps the original's positional signature and is ignored: the model builds its mask from attention_mask."""
+        keeps the original's positional signature and is ignored: the model builds its mask from attention_mask.
+        `cache` is transformers 5.24's name for `past_key_values` (pass one of the two)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.transformer(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            past_key_values=caller_cache(past_key_values, cache), inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
             **kwargs,
         )
@@ -2460,7 +2537,7 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
         if not return_dict:
             return as_tuple(loss, logits, outputs)
         return SequenceClassifierOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+            loss=loss, logits=logits, **cache_output(returned_cache(outputs)),
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 

@@ -4,21 +4,25 @@
     python benchmarks/model_benchmark.py                      # CPU: a random GLM-4-shaped model (155M), built here
     python benchmarks/model_benchmark.py --threads 1 --clock cpu      # on a machine shared with other work
     python benchmarks/model_benchmark.py --model /path/to/glm-4-9b-chat --device cuda
-    python benchmarks/model_benchmark.py --preset glm-4-9b --checkpoint-dtype bfloat16 --device cuda
+    python benchmarks/model_benchmark.py --preset glm-4-9b --device cuda --in-memory     # scripts/gpu_checks.sh
 
 Both models load from checkpoints on disk (the fork's through trust_remote_code from a folder holding this repository's
-code, the native one converted by tools/chatglm_tools/native_glm.py), run in this process with `sdpa` attention, and are
-measured in interleaved rounds (fork first, then native first, ...). Each line prints both medians and `ratio` = native
-cost / fork cost (time or bytes; for rates fork / native): >= 1.00 means the fork is at least as fast or as small.
-`rounds` is the spread of the per-round ratios, the noise a ratio is to be read against.
+code, the native one converted by tools/chatglm_tools/native_glm.py), or with --in-memory are built in device memory
+from the same random weights (seconds for a 9B model on a GPU, where writing its checkpoints takes minutes and most of
+the disk). They run in this process with `sdpa` attention, measured in interleaved rounds (fork first, then native
+first, ...). Each line prints both medians and `ratio` = native cost / fork cost (time or bytes; for rates fork /
+native): >= 1.00 means the fork is at least as fast or as small. `rounds` is the spread of the per-round ratios, the
+noise a ratio is to be read against.
 
 Sections: KV bytes the cache keeps alive (every storage counted once, against the theory); prefill time and peak
 tensor memory; single-sequence decode at several contexts and how its cost grows with the context; batched decode;
-generate() with dynamic and static caches (both models must produce the same tokens); load and long-prefill memory
-of fresh processes (RSS); decode against the memory bandwidth: weights + KV bytes read per step over the step time,
-against a STREAM-like copy measured in the same run, and against the model's own matrix-vector products timed alone
-(what torch's kernels reach on these weights). Decode steps run on caches filled with random keys and values to the
-wanted context (their values do not change the work). --json writes every number; a Markdown table ends the output.
+generate() with dynamic and static caches (both models must produce the same tokens; the first call with a static
+cache, in which transformers compiles on CUDA, apart); the operators and kernels of one batched decode step; load and
+long-prefill memory of fresh processes (RSS); decode against the memory bandwidth: weights + KV bytes read per step
+over the step time, against a STREAM-like copy measured in the same run, against the model's own matrix-vector
+products timed alone (what torch's kernels reach on these weights), and torch.compile'd decode, also replayed as CUDA
+graphs. Decode steps run on caches filled with random keys and values to the wanted context (their values do not
+change the work). --json writes every number; a Markdown table ends the output.
 transformers < 4.46 has no GlmForCausalLM: the fork's numbers are printed alone.
 """
 import argparse
@@ -104,6 +108,47 @@ def build_random_checkpoints(workdir: Path, preset: str, checkpoint_dtype) -> tu
     return fork, save_native(model, workdir)
 
 
+def build_in_memory(preset: str, dtype, device: str) -> dict:
+    """--in-memory: both models built in device memory from the same random weights, no checkpoint written (a 9B
+    model's three checkpoints cost minutes of disk I/O and most of a lent GPU machine's disk). The fork's class comes
+    from a folder holding only config.json and this repository's code."""
+    config = json.loads((REPO / "config.json").read_text())
+    config.update(PRESETS[preset])
+    config.update(num_hidden_layers=config["num_layers"], pad_token_id=0, eos_token_id=2)
+    folder = with_code(Path(tempfile.mkdtemp(prefix="chatglm-benchmark-code-")) / "fork")
+    (folder / "config.json").write_text(json.dumps(config))
+    atexit.register(shutil.rmtree, folder.parent, True)
+    model_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    with torch.device(device), default_dtype(dtype):
+        torch.manual_seed(0)
+        fork = transformers.AutoModelForCausalLM.from_config(model_config, trust_remote_code=True,
+                                                             attn_implementation="sdpa", **dtype_kwarg(dtype))
+        with torch.no_grad():
+            for name, param in fork.named_parameters():
+                param.copy_(torch.ones_like(param) if "layernorm" in name else torch.randn_like(param) * 0.02)
+        models = {"fork": fork.eval()}
+        if HAS_NATIVE:
+            native_config = native_glm.native_glm_config(fork.config)
+            native_config._attn_implementation = "sdpa"
+            native = transformers.GlmForCausalLM(native_config)
+            weights = native_glm.convert_state_dict(fork.state_dict(), fork.config)
+            missing, unexpected = native.load_state_dict(weights, strict=False)
+            assert not unexpected and all("rotary" in key for key in missing), (missing, unexpected)
+            models["native"] = native.eval()
+    return models
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """Parameters created inside are of `dtype` (a 9B model is never built in float32 first)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def link_checkpoint(source: Path, workdir: Path) -> tuple:
     """--model PATH: the checkpoint's files linked beside this repository's code, and a native conversion."""
     fork = workdir / "fork"
@@ -162,9 +207,9 @@ def filled_cache(model, kind: str, batch: int, context: int, max_length: int, ge
     cache = new_cache(model, kind, batch, max_length)
     layers, heads, dim = kv_sizes(model)
     positions = torch.arange(context, device=model.device)
-    for layer in range(layers):
-        keys, values = (torch.randn(batch, heads, context, dim, generator=generator).to(model.device, model.dtype)
-                        for _ in range(2))
+    for layer in range(layers):  # drawn where they are kept (a 9B model's caches would take seconds on the host)
+        keys, values = (torch.randn(batch, heads, context, dim, generator=generator, device=generator.device,
+                                    dtype=model.dtype) for _ in range(2))
         cache.update(keys, values, layer, {"cache_position": positions})
     return cache
 
@@ -296,12 +341,12 @@ def kv_memory(results, models, args):
         for name, model in models.items():
             cache = new_cache(model, kind, 1, prompt + steps)
             with torch.no_grad():
-                cache = model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True,
-                              **last_logit_kwargs(model)).past_key_values
+                cache = kv_cache.returned(model(input_ids=ids[:, :prompt], **kv_cache.argument(cache), use_cache=True,
+                                                **last_logit_kwargs(model)))
                 held[name] = [kv_cache.held_bytes(cache)]
                 for step in range(prompt, prompt + steps):
-                    cache = model(input_ids=ids[:, step:step + 1], past_key_values=cache, use_cache=True,
-                                  **last_logit_kwargs(model)).past_key_values
+                    cache = kv_cache.returned(model(input_ids=ids[:, step:step + 1], **kv_cache.argument(cache),
+                                                    use_cache=True, **last_logit_kwargs(model)))
                 held[name].append(kv_cache.held_bytes(cache))
             del cache
             gc.collect()
@@ -342,14 +387,14 @@ def prefill(results, models, args, clock):
 def decode_step_times(models, args, clock, kind, batch, context) -> dict:
     """Seconds per decode step on a cache holding `context` positions (the first step, which sets up lazily
     allocated state, untimed)."""
-    generator = torch.Generator().manual_seed(4)
+    generator = torch.Generator(device=args.device).manual_seed(4)
     tokens = random_ids(batch, args.steps, 5, args.device)
 
     def measure(name, model):
         cache = filled_cache(model, kind, batch, context, context + args.steps, generator)
         with torch.no_grad():
-            model(input_ids=tokens[:, :1], past_key_values=cache, use_cache=True)
-            seconds = clock(lambda: [model(input_ids=tokens[:, i:i + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=tokens[:, :1], **kv_cache.argument(cache), use_cache=True)
+            seconds = clock(lambda: [model(input_ids=tokens[:, i:i + 1], **kv_cache.argument(cache), use_cache=True)
                                      for i in range(1, args.steps)])
         return seconds / (args.steps - 1)
 
@@ -366,11 +411,12 @@ def decode(results, models, args, clock):
         first, last = args.contexts[0], args.contexts[-1]
         growth = {name: [b / a for a, b in zip(per_context[first][name], per_context[last][name])] for name in models}
         results.add("decode", f"decode growth {last}/{first}, {kind} cache", "x", growth)
-    for kind in ("dynamic", "static"):
-        times = decode_step_times(models, args, clock, kind, args.batch, args.batch_context)
-        results.add("decode", f"batched decode bs={args.batch}, {kind} cache, context {args.batch_context}",
-                    "tokens/s", {name: [args.batch / t for t in values] for name, values in times.items()},
-                    higher_is_better=True)
+    for batch in args.batch:
+        for kind in ("dynamic", "static"):
+            times = decode_step_times(models, args, clock, kind, batch, args.batch_context)
+            results.add("decode", f"batched decode bs={batch}, {kind} cache, context {args.batch_context}",
+                        "tokens/s", {name: [batch / t for t in values] for name, values in times.items()},
+                        higher_is_better=True)
 
 
 def generate(results, models, args, clock):
@@ -385,8 +431,11 @@ def generate(results, models, args, clock):
             with torch.no_grad():
                 outputs[name] = model.generate(ids, **kwargs, **extra)
 
-        for name, model in models.items():
-            run(name, model)  # warm-up
+        # The first call apart: on CUDA transformers compiles the forward for a static cache there.
+        first = {name: [clock(lambda: run(name, model))] for name, model in models.items()}
+        if kind == "static":
+            results.add("generate", f"generate {args.gen_prompt}+{args.gen_new} tokens, static cache: first call",
+                        "s", first, note="compiles on CUDA" if args.device.startswith("cuda") else None)
         ms = interleaved(args.rounds, models, lambda name, model: clock(lambda: run(name, model)) * 1e3 / args.gen_new)
         note = None
         if len(outputs) == 2:
@@ -488,12 +537,13 @@ def matrix_vector_seconds(model, batch: int, clock, prepacked: bool = False) -> 
     return min(clock(run) for _ in range(3))
 
 
-def hardware_limit(results, folders, args, clock):
+def hardware_limit(results, loaded, args, clock):
+    """loaded(dtype name) -> the models in that dtype."""
     bandwidth, read = memory_bandwidth(args.device, clock, max(3, args.rounds))
     print(f"  copy {bandwidth / 1e9:.1f} GB/s, read {read / 1e9:.1f} GB/s", flush=True)
     context = args.contexts[0]
     for dtype_name in args.limit_dtypes:
-        models = {name: load(name, folder, getattr(torch, dtype_name), args.device) for name, folder in folders.items()}
+        models = loaded(dtype_name)
         moved = {name: decode_weight_bytes(model) + kv_theory(model, 1, context) for name, model in models.items()}
         times = decode_step_times(models, args, clock, "dynamic", 1, context)
         rates = {name: [moved[name] / t / 1e9 for t in values] for name, values in times.items()}
@@ -512,30 +562,33 @@ def hardware_limit(results, folders, args, clock):
                     prepacked_share_of_copy=prepacked and prepacked * 1e9 / bandwidth,
                     bytes_per_step=moved["fork"])
         if "compiled" in args.sections:
-            compiled_decode(results, models, moved, args, clock, dtype_name, bandwidth)
+            for mode in ("default", "reduce-overhead"):
+                compiled_decode(results, models, moved, args, clock, dtype_name, bandwidth, mode)
         del models
         gc.collect()
 
 
-def compiled_decode(results, models, moved, args, clock, dtype_name, bandwidth):
+def compiled_decode(results, models, moved, args, clock, dtype_name, bandwidth, mode="default"):
     """bs=1 decode through torch.compile: one graph per model on a static cache (its positions run on through every
     round, so that no round recompiles), and on CPU inductor's freezing, which prepacks the weights for oneDNN, the
-    fast bf16 path the eager matrix-vector product lacks. A machine without a C++ compiler prints why it skipped."""
+    fast bf16 path the eager matrix-vector product lacks. mode="reduce-overhead" replays each step as a CUDA graph:
+    on a GPU, where an eager step is bound by kernel launches, the row that shows the hardware limit (the CPU has no
+    CUDA graphs: the same as the default there). A machine without a C++ compiler prints why it skipped."""
     import torch._dynamo
     import torch._inductor.config
 
     context, total = args.contexts[0], 2 + args.rounds * args.steps
-    generator = torch.Generator().manual_seed(4)
+    generator = torch.Generator(device=args.device).manual_seed(4)
     tokens = random_ids(1, total, 5, args.device)
     state = {}
     for name, model in models.items():
         cache = filled_cache(model, "static", 1, context, context + total, generator)
-        state[name] = dict(cache=cache, step=torch.compile(model.forward, dynamic=False), done=0)
+        state[name] = dict(cache=cache, step=torch.compile(model.forward, dynamic=False, mode=mode), done=0)
 
     def advance(name):
         run = state[name]
         position = torch.tensor([context + run["done"]], device=args.device)
-        kwargs = dict(position_ids=position[None], past_key_values=run["cache"], use_cache=True)
+        kwargs = dict(position_ids=position[None], **kv_cache.argument(run["cache"]), use_cache=True)
         if "cache_position" in inspect.signature(models[name].forward).parameters:
             kwargs["cache_position"] = position
         run["step"](input_ids=tokens[:, run["done"]:run["done"] + 1], **kwargs)
@@ -548,7 +601,8 @@ def compiled_decode(results, models, moved, args, clock, dtype_name, bandwidth):
             times = interleaved(args.rounds, models, lambda name, model: clock(
                 lambda: [advance(name) for _ in range(args.steps)]) / args.steps)
     except Exception as error:  # noqa: BLE001 (inductor's errors have no common base; the reason is printed)
-        print(f"  compiled decode {dtype_name}: skipped ({type(error).__name__}: {str(error)[:200]})", flush=True)
+        print(f"  compiled decode {dtype_name} ({mode}): skipped ({type(error).__name__}: {str(error)[:200]})",
+              flush=True)
         return
     finally:
         torch._dynamo.reset()
@@ -556,9 +610,52 @@ def compiled_decode(results, models, moved, args, clock, dtype_name, bandwidth):
                   for name, model in models.items()}
     rates = {name: [(moved[name] + kv_average[name]) / t / 1e9 for t in values] for name, values in times.items()}
     fork_rate = statistics.median(rates["fork"])
-    results.add("memory bandwidth", f"compiled decode bs=1 {dtype_name}, static cache: (weights + KV) / step", "GB/s",
-                rates, higher_is_better=True, note=f"fork: {fork_rate * 1e9 / bandwidth:.0%} of copy",
-                share_of_copy=fork_rate * 1e9 / bandwidth)
+    graphs = ", CUDA graphs" if mode == "reduce-overhead" else ""
+    note = (f"fork: {fork_rate * 1e9 / bandwidth:.0%} of copy, "
+            f"{statistics.median(times['fork']) * 1e3:.2f} ms/token" + ("" if args.device.startswith("cuda") or
+                                                                       not graphs else " (no CUDA graphs on a CPU)"))
+    results.add("memory bandwidth", f"compiled decode bs=1 {dtype_name}, static cache{graphs}: (weights + KV) / step",
+                "GB/s", rates, higher_is_better=True, note=note, share_of_copy=fork_rate * 1e9 / bandwidth,
+                ms_per_token={name: statistics.median(values) * 1e3 for name, values in times.items()})
+
+
+def step_profile(results, models, args, clock):
+    """What one batched decode step runs (dynamic cache, the largest --batch): torch operators and, on CUDA, kernel
+    launches per model, with the operators whose counts differ most. An eager GPU step of a small batch is bound by
+    launches, so a difference in counts is a difference in time."""
+    from collections import Counter
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, context = max(args.batch), args.batch_context
+    tokens = random_ids(batch, 2, 5, args.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    counts = {}
+    for name, model in models.items():
+        generator = torch.Generator(device=args.device).manual_seed(4)
+        cache = filled_cache(model, "dynamic", batch, context, context + 2, generator)
+        with torch.no_grad():
+            model(input_ids=tokens[:, :1], **kv_cache.argument(cache), use_cache=True)  # lazily set-up state
+            with profile(activities=activities) as prof:
+                model(input_ids=tokens[:, 1:], **kv_cache.argument(cache), use_cache=True)
+        operators, kernels = Counter(), Counter()
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.name] += 1
+            elif event.name.startswith("aten::"):
+                operators[event.name] += 1
+        counts[name] = (operators, kernels)
+        del cache
+    for index, what in enumerate(("torch operators", "CUDA kernels")):
+        if index and not args.device.startswith("cuda"):
+            break
+        results.add("profile", f"decode step bs={batch}, context {context}: {what}", "count",
+                    {name: [sum(c[index].values())] for name, c in counts.items()})
+        if "native" in counts:
+            fork, native = counts["fork"][index], counts["native"][index]
+            differences = sorted(set(fork) | set(native), key=lambda k: -abs(fork[k] - native[k]))[:8]
+            for key in differences:
+                if fork[key] != native[key]:
+                    print(f"    {key[:70]:<70} fork {fork[key]:>5} native {native[key]:>5}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -607,15 +704,19 @@ def parse_args(argv=None):
     parser.add_argument("--memory-rounds", type=int, default=3, help="fresh processes per model for the RSS lines")
     parser.add_argument("--contexts", default="128,2048", help="single-sequence decode contexts, comma-separated")
     parser.add_argument("--steps", type=int, default=9, help="decode steps per round (the first one untimed)")
-    parser.add_argument("--batch", type=int, default=8, help="batched decode: sequences")
+    parser.add_argument("--batch", default="8", help="batched decode: sequences, comma-separated batch sizes")
     parser.add_argument("--batch-context", type=int, default=128, help="batched decode: context")
     parser.add_argument("--prefill", type=int, default=2048, help="long prefill (KV bytes, peak memory)")
     parser.add_argument("--prefill-timed", type=int, default=512, help="prefill length timed")
     parser.add_argument("--gen-prompt", type=int, default=32)
     parser.add_argument("--gen-new", type=int, default=64)
     parser.add_argument("--limit-dtypes", help="dtypes of the bandwidth lines (default: float32,bfloat16 on CPU)")
-    parser.add_argument("--sections", default="kv,prefill,decode,generate,memory,bandwidth,compiled",
-                        help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth)")
+    parser.add_argument("--sections", default="kv,prefill,decode,generate,profile,memory,bandwidth,compiled",
+                        help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth); profile: "
+                             "operators and kernels of one batched decode step")
+    parser.add_argument("--in-memory", action="store_true",
+                        help="build both models in device memory from the same random weights, writing no checkpoint "
+                             "(no fresh-process memory lines; the bandwidth lines in --dtype only)")
     parser.add_argument("--workdir", type=Path, help="where the checkpoints are written (default: a temporary folder)")
     parser.add_argument("--json", type=Path, help="also write every number to this file")
     parser.add_argument("--quick", action="store_true", help="a tiny model, short runs: checks that everything runs")
@@ -627,8 +728,11 @@ def parse_args(argv=None):
     if args.quick:
         args.preset = "tiny"
         args.rounds, args.memory_rounds, args.steps, args.prefill, args.prefill_timed = 2, 1, 3, 64, 32
-        args.contexts, args.batch, args.batch_context, args.gen_prompt, args.gen_new = "16,64", 2, 16, 8, 8
+        args.contexts, args.batch, args.batch_context, args.gen_prompt, args.gen_new = "16,64", "2,3", 16, 8, 8
     args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.batch = [int(b) for b in str(args.batch).split(",")]
+    if args.in_memory:
+        args.limit_dtypes = [args.dtype]  # the models are built once, in the compute dtype
     args.sections = set(args.sections.split(","))
     return args
 
@@ -640,32 +744,49 @@ def main(argv=None) -> int:
         child_memory(args)
         return 0
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chatglm-benchmark-"))
-    if args.model is not None:
-        fork_folder, native_folder = link_checkpoint(args.model, workdir)
-        args.checkpoint_dtype, header = "saved", args.model.name
+    dtype = getattr(torch, args.dtype)
+    folders = None
+    if args.in_memory:
+        if args.model is not None:
+            raise SystemExit("--in-memory builds random weights: it does not take --model")
+        started = time.perf_counter()
+        models = build_in_memory(args.preset, dtype, args.device)
+        header = f"random {args.preset} model, built in memory in {time.perf_counter() - started:.1f} s"
     else:
-        fork_folder, native_folder = build_random_checkpoints(workdir, args.preset,
-                                                              getattr(torch, args.checkpoint_dtype))
-        header = f"random {args.preset} model"
-    folders = {"fork": fork_folder, "native": native_folder} if native_folder else {"fork": fork_folder}
+        if args.model is not None:
+            fork_folder, native_folder = link_checkpoint(args.model, workdir)
+            args.checkpoint_dtype, header = "saved", args.model.name
+        else:
+            fork_folder, native_folder = build_random_checkpoints(workdir, args.preset,
+                                                                  getattr(torch, args.checkpoint_dtype))
+            header = f"random {args.preset} model"
+        folders = {"fork": fork_folder, "native": native_folder} if native_folder else {"fork": fork_folder}
+        models = {name: load(name, folder, dtype, args.device) for name, folder in folders.items()}
     clock = Clock(args.device, args.clock)
-    models = {name: load(name, folder, getattr(torch, args.dtype), args.device) for name, folder in folders.items()}
     header += f" ({sum(p.numel() for p in models['fork'].parameters()) / 1e6:.0f}M parameters); {machine_line(args)}"
     print(header if HAS_NATIVE else f"{header}\n(no GlmForCausalLM in transformers {transformers.__version__})",
           flush=True)
     results = Results()
-    for section, run in (("kv", kv_memory), ("prefill", prefill), ("decode", decode), ("generate", generate)):
+    for section, run in (("kv", kv_memory), ("prefill", prefill), ("decode", decode), ("generate", generate),
+                         ("profile", step_profile)):
         if section in args.sections:
             print(f"{section}:", flush=True)
             run(results, models, args) if section == "kv" else run(results, models, args, clock)
-    del models
-    gc.collect()
+    if folders is not None:
+        del models
+        gc.collect()
     if "memory" in args.sections:
         print("fresh processes:", flush=True)
-        process_memory(results, folders, args)
+        if folders is None:
+            print("  skipped: --in-memory writes no checkpoint to load in a fresh process", flush=True)
+        else:
+            process_memory(results, folders, args)
     if "bandwidth" in args.sections:
         print("memory bandwidth:", flush=True)
-        hardware_limit(results, folders, args, clock)
+        loaded = (lambda dtype_name: models) if folders is None else (  # noqa: E731
+            lambda dtype_name: {name: load(name, folder, getattr(torch, dtype_name), args.device)
+                                for name, folder in folders.items()})
+        hardware_limit(results, loaded, args, clock)
     print("\n" + markdown(results, args, header))
     if args.json:
         args.json.write_text(json.dumps(dict(header=header, rows=results.rows), indent=1, default=str))

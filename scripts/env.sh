@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up shared by scripts/demo.sh and scripts/test.sh: one virtual environment in .venv with torch 2.13.0
 # (the CPU wheel) installed once and pinned, so that no later install can pull another torch.
-# Usage: source scripts/env.sh [TRANSFORMERS_VERSION]   (empty or absent: the newest tested release)
+# Usage: source scripts/env.sh [TRANSFORMERS_VERSION]   (empty or absent: the newest tested release; `newest`: the
+#        newest release on the registry of transformers, PEFT, TRL, accelerate and tokenizers, for scripts/canary.sh)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # CHATGLM_MINIMAL=1: the minimal environment (only the six dependencies and the test runner), in its own venv.
@@ -9,7 +10,7 @@ if [ "${CHATGLM_MINIMAL:-0}" = 1 ]; then VENV="${CHATGLM_MINIMAL_VENV:-$ROOT/.ve
 PY="$VENV/bin/python"
 CONSTRAINTS="$ROOT/scripts/constraints.txt"
 # Newest release the repository is tested against; the demo runs on it.
-DEFAULT_TRANSFORMERS="5.23.0"
+DEFAULT_TRANSFORMERS="5.24.0"
 
 if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
@@ -28,6 +29,20 @@ if [ "${CHATGLM_MINIMAL:-0}" != 1 ] && ! "$PY" -c 'import PIL, torchao, optimum.
   pip_install pillow torchao optimum-quanto
 fi
 
+# companion_pins VERSION: sets TRL_PIN and PEFT_PIN, the TRL and PEFT that users of that transformers release have
+# (the LoRA and SFTTrainer recipes in tests/test_recipes.py): the releases of the same months, which name that
+# transformers among those they support. PEFT 0.14 to 0.18 cannot apply LoRA beside the torchao that torch 2.13 needs
+# (they import its removed LinearActivationQuantizedTensor): the releases of their months get 0.19.1, the oldest PEFT
+# that can.
+companion_pins() {
+  case "$1" in
+    4.44.*|4.45.*) TRL_PIN=0.11.4 PEFT_PIN=0.12.0 ;; 4.46.*|4.47.*) TRL_PIN=0.12.2 PEFT_PIN=0.13.2 ;;
+    4.48.*|4.49.*|4.50.*) TRL_PIN=0.15.2 PEFT_PIN=0.19.1 ;;
+    4.51.*|4.52.*|4.53.*|4.54.*|4.55.*) TRL_PIN=0.19.1 PEFT_PIN=0.19.1 ;;
+    4.*|5.0.*|5.1.*|5.2.*) TRL_PIN=1.16.0 PEFT_PIN=0.19.1 ;; *) TRL_PIN=1.16.0 PEFT_PIN=0.21.2 ;;
+  esac
+}
+
 # use_transformers VERSION: swap the transformers release in the venv (its own tokenizers/huggingface-hub follow).
 use_transformers() {
   local want="$1" have
@@ -35,25 +50,23 @@ use_transformers() {
   if [ "$have" != "$want" ]; then
     pip_install "transformers==$want"
   fi
-  # PEFT and TRL as users of that release have them (the LoRA and SFTTrainer recipes in tests/test_recipes.py): the
-  # releases of the same months, which name that transformers among those they support. PEFT 0.14 to 0.18 cannot
-  # apply LoRA beside the torchao that torch 2.13 needs (they import its removed LinearActivationQuantizedTensor):
-  # the releases of their months get 0.19.1, the oldest PEFT that can.
   if [ "${CHATGLM_MINIMAL:-0}" != 1 ]; then
-    local trl peft
-    case "$want" in
-      4.44.*|4.45.*) trl=0.11.4 peft=0.12.0 ;; 4.46.*|4.47.*) trl=0.12.2 peft=0.13.2 ;;
-      4.48.*|4.49.*|4.50.*) trl=0.15.2 peft=0.19.1 ;; 4.51.*|4.52.*|4.53.*|4.54.*|4.55.*) trl=0.19.1 peft=0.19.1 ;;
-      4.*|5.0.*|5.1.*|5.2.*) trl=1.16.0 peft=0.19.1 ;; *) trl=1.16.0 peft=0.21.2 ;;
-    esac
-    if [ "$("$PY" -c 'import trl; print(trl.__version__)' 2>/dev/null || true)" != "$trl" ] || \
-       [ "$("$PY" -c 'import peft; print(peft.__version__)' 2>/dev/null || true)" != "$peft" ]; then
+    companion_pins "$want"
+    if [ "$("$PY" -c 'import trl; print(trl.__version__)' 2>/dev/null || true)" != "$TRL_PIN" ] || \
+       [ "$("$PY" -c 'import peft; print(peft.__version__)' 2>/dev/null || true)" != "$PEFT_PIN" ]; then
       # rich: TRL 0.11 imports it without declaring it (a newer huggingface-hub's typer used to bring it).
-      pip_install "trl==$trl" "peft==$peft" rich "transformers==$want"
+      pip_install "trl==$TRL_PIN" "peft==$PEFT_PIN" rich "transformers==$want"
     fi
   fi
 }
-use_transformers "${1:-$DEFAULT_TRANSFORMERS}"
+
+# The canary's environment (scripts/canary.sh): the newest release on the registry of everything but torch.
+use_newest() {
+  pip_install --upgrade transformers peft trl accelerate tokenizers huggingface-hub safetensors sentencepiece \
+    tiktoken rich
+}
+
+if [ "${1:-}" = newest ]; then use_newest; else use_transformers "${1:-$DEFAULT_TRANSFORMERS}"; fi
 
 # Tests and the demo never reach a hub, and never reuse remote code cached by an earlier run.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1

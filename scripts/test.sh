@@ -3,7 +3,7 @@
 # swapped per version). The oldest and newest versions run everything; the versions between them skip the tests
 # marked `matrix_ends` (multi-device and tensor-parallel runs, the slowest). Prints one summary line at the end.
 #   scripts/test.sh                 # the whole matrix
-#   scripts/test.sh 5.23.0 -k parity   # one version, extra pytest arguments
+#   scripts/test.sh 5.24.0 -k parity   # one version, extra pytest arguments
 #   scripts/test.sh --quick         # daily work: the newest version, no multi-device / tensor-parallel tests
 #   scripts/test.sh --minimal [VERSION]   # only the core suite in the minimal environment
 # The whole matrix also runs the core suite in a minimal environment (.venv-minimal: only torch, transformers,
@@ -11,12 +11,12 @@
 # optional features skip there naming their package, and nothing else may need more than the six dependencies.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0)
-OLDEST=4.44.2; NEWEST=5.23.0
+MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0 5.24.0)
+OLDEST=4.44.2; NEWEST=5.24.0
 MINIMAL=("$OLDEST" "$NEWEST")
-CORE=(tests/test_loading.py tests/test_parity.py tests/test_generation.py tests/test_chat.py tests/test_inputs.py
-      tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py tests/test_recipes.py
-      tests/test_overrides.py tests/test_dependencies.py)
+CORE=(tests/test_loading.py tests/test_parity.py tests/test_generation.py tests/test_cache_use.py tests/test_chat.py
+      tests/test_inputs.py tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py
+      tests/test_recipes.py tests/test_overrides.py tests/test_dependencies.py)
 if [ $# -gt 0 ] && [ "$1" = "--minimal" ]; then
   shift; MATRIX=()
   if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+\.[0-9]+ ]]; then MINIMAL=("$1"); shift; fi

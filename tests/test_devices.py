@@ -120,7 +120,23 @@ def test_split_model_equals_single_device(tiny_model, family, num_devices):
     assert report.grad_max_diff <= 1e-5
     assert report.greedy_same and report.batch_greedy_same
     assert report.cache_on_layer_devices
-    assert not report.cpu_inputs_warned
+    assert report.device_warnings == []
+
+
+@pytest.mark.parametrize("embedding_on", ["accelerator", "cpu"])
+def test_generate_gives_no_device_warning_when_embedding_and_output_layer_differ_in_type(tiny_model, embedding_on):
+    """gpu_check's map over the CPU and an accelerator (the embedding on one, the output layer on the other, as
+    accelerate places an offloaded model): model.device (the embedding's) and the logits' device are of different
+    types. Inputs on the CPU, as a tokenizer returns them: no warning, and the tokens of one device."""
+    model = tiny_model("glm4", num_layers=3)
+    with virtual_devices(1) as devices:
+        order = ["cpu", devices[0]] if embedding_on == "accelerator" else [devices[0], "cpu"]
+        device_map = device_check.spread_device_map(3, order)
+        report = device_check.run(model, device_map, reference_device=devices[0], new_tokens=4)
+    embedding, output = device_map["transformer.embedding"], device_map["transformer.output_layer"]
+    assert torch.device(embedding).type != torch.device(output).type
+    assert report.device_warnings == []
+    assert report.greedy_same and report.batch_greedy_same and report.cache_on_layer_devices
 
 
 @pytest.mark.matrix_ends

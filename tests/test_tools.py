@@ -471,14 +471,17 @@ def test_gpu_check_script_runs_on_a_cpu_only_machine(tmp_path):
 
 
 @pytest.mark.matrix_ends
-def test_model_benchmark_runs_from_a_clone(tmp_path):
-    """The benchmark's whole path on a tiny model (no timing is asserted): its KV bytes equal the theory, and where
-    transformers has GlmForCausalLM, the native model generates the fork's tokens and has its KV bytes too; the
-    bandwidth lines, eager and compiled (inductor needs a C++ compiler), come out."""
+@pytest.mark.parametrize("models", ["checkpoints", "in-memory"])
+def test_model_benchmark_runs_from_a_clone(tmp_path, models):
+    """The benchmark's whole path on a tiny model (no timing is asserted), from checkpoints on disk or built in
+    memory: its KV bytes equal the theory, and where transformers has GlmForCausalLM, the native model generates the
+    fork's tokens and has its KV bytes too; the bandwidth lines, eager and compiled with and without CUDA graphs
+    (inductor needs a C++ compiler), the static cache's first generate() call and the step profile come out."""
     numbers = tmp_path / "numbers.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "model_benchmark.py"), "--quick", "--sections",
-         "kv,generate,bandwidth,compiled", "--limit-dtypes", "float32", "--json", str(numbers)],
+         "kv,generate,profile,bandwidth,compiled", "--limit-dtypes", "float32", "--json", str(numbers)]
+        + (["--in-memory"] if models == "in-memory" else []),
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     rows = json.loads(numbers.read_text())["rows"]
@@ -487,9 +490,13 @@ def test_model_benchmark_runs_from_a_clone(tmp_path):
     bandwidth = [row["metric"] for row in rows if row["section"] == "memory bandwidth" and row["share_of_copy"] > 0]
     expected = ["decode bs=1 float32, context 16: (weights + KV) / step"]
     if shutil.which(os.environ.get("CXX", "g++")):
-        expected.append("compiled decode bs=1 float32, static cache: (weights + KV) / step")
+        expected += ["compiled decode bs=1 float32, static cache: (weights + KV) / step",
+                     "compiled decode bs=1 float32, static cache, CUDA graphs: (weights + KV) / step"]
     assert bandwidth == expected, result.stdout[-2000:]
+    generated = [row for row in rows if row["section"] == "generate"]
+    assert [row["unit"] for row in generated] == ["ms/token", "s", "ms/token"]  # the static cache's first call apart
+    assert [row["metric"] for row in rows if row["section"] == "profile"] == [
+        "decode step bs=3, context 16: torch operators"]
     if TRANSFORMERS >= Version("4.46"):
-        generated = [row for row in rows if row["section"] == "generate"]
-        assert [row["note"] for row in generated] == ["same tokens", "same tokens"]
+        assert [row["note"] for row in generated if row["unit"] == "ms/token"] == ["same tokens", "same tokens"]
         assert all("ratio" in row for row in rows)

@@ -5,9 +5,10 @@ GPUs), in fp32 and bf16, against the same model on one device. Prints a table; e
     python tools/gpu_check.py --splits cpu,cuda:0 --dtypes bfloat16
 
 Each row: forward logits and loss on a left-padded batch, the gradients of one backward, greedy and batched greedy
-generation (with a repetition penalty, which reads ids beside the scores), and where each layer's KV cache lives
+generation (with a repetition penalty, which reads ids beside the scores; tokens may part only at a near tie, where the
+one-device model's two best scores are within twice the logits tolerance), and where each layer's KV cache lives
 after prefill and a decode step. Inputs start on the CPU, as a tokenizer returns them; any warning about devices
-fails the row. Shares its checks with the test suite's virtual-device tests (tools/chatglm_tools/device_check.py).
+fails the row, and is printed under it. Shares its checks with the test suite's virtual-device tests (tools/chatglm_tools/device_check.py).
 """
 import argparse
 import importlib
@@ -99,9 +100,20 @@ def main(argv=None) -> int:
                           f"{report.logits_max_diff:9.2e} {report.grad_max_diff:9.2e} "
                           f"{str(report.greedy_same):6} {str(report.batch_greedy_same):5} "
                           f"{str(report.cache_on_layer_devices):5} {'PASS' if ok else 'FAIL'}")
+                    for message in report.device_warnings:  # counted against the row: say which
+                        print(f"    warning: {' '.join(message.split())}")
+                    if report.divergence is not None:
+                        name, row, step, margin = report.divergence
+                        tie = "a near tie" if margin <= 2 * TOLERANCES[dtype][0] else "NOT a near tie"
+                        print(f"    {name} greedy differs from new token {step} of row {row}: the one-device model's "
+                              f"two best scores there are {margin:.3g} apart ({tie}: the limit is twice the "
+                              f"logits tolerance, {2 * TOLERANCES[dtype][0]:g})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}")
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}")
     return 1 if failed else 0
 
 

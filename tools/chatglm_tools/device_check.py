@@ -7,6 +7,7 @@ the model's own device boundaries.
 import copy
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -69,12 +70,45 @@ class Report:
     greedy_same: bool
     batch_greedy_same: bool
     cache_on_layer_devices: bool
-    cpu_inputs_warned: bool
+    device_warnings: list  # the text of every warning about devices raised by the split model's calls
+    # Where greedy tokens first differ: (which generation, row, new-token index, the one-device model's margin between
+    # its two best scores there); None where both generations are equal.
+    divergence: Optional[tuple] = None
 
     def ok(self, logits_tol: float, grad_tol: float) -> bool:
+        """Greedy tokens may part only at a near tie: where the one-device model's two best scores are closer than
+        twice the logits tolerance, the split model's rounding (within that tolerance) can swap them."""
+        greedy_ok = (self.greedy_same and self.batch_greedy_same) or (
+            self.divergence is not None and self.divergence[3] <= 2 * logits_tol)
         return (self.logits_max_diff <= logits_tol and self.loss_diff <= grad_tol and self.grad_max_diff <= grad_tol
-                and self.greedy_same and self.batch_greedy_same and self.cache_on_layer_devices
-                and not self.cpu_inputs_warned)
+                and greedy_ok and self.cache_on_layer_devices and not self.device_warnings)
+
+
+def first_divergence(reference, runs) -> Optional[tuple]:
+    """runs: (name, prompt ids, prompt mask, [reference tokens, split tokens]). The first place where the split
+    model's greedy tokens leave the reference's, with the reference's margin between its two best (processed) scores
+    at that step."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    penalty = RepetitionPenaltyLogitsProcessor(GREEDY["repetition_penalty"])
+    for name, prompt, mask, (expected, got) in runs:
+        differs = (expected != got).nonzero()
+        if not len(differs):
+            continue
+        row, column = (int(i) for i in differs[0])
+        ids = expected[row:row + 1, :column]
+        row_mask = torch.cat([mask[row:row + 1], torch.ones(1, column - mask.shape[1], dtype=mask.dtype)], 1)
+        device = next(reference.parameters()).device
+        with torch.no_grad():
+            logits = reference(input_ids=ids.to(device), attention_mask=row_mask.to(device)).logits[:, -1].float()
+        best = penalty(ids.to(device), logits).topk(2).values[0]
+        return name, row, column - prompt.shape[1], float(best[0] - best[1])
+    return None
+
+
+def device_warnings(caught) -> list:
+    """The distinct messages among caught warnings that speak of devices."""
+    return sorted({str(w.message) for w in caught if "device" in str(w.message)})
 
 
 def run(model, device_map: dict, reference_device, new_tokens: int = 8, seed: int = 0) -> Report:
@@ -93,7 +127,7 @@ def run(model, device_map: dict, reference_device, new_tokens: int = 8, seed: in
             out = m(input_ids=ids, attention_mask=mask, labels=labels)
             out.loss.backward()
             outputs[name] = out
-    cpu_inputs_warned = any("device" in str(w.message) for w in caught)
+    warned = device_warnings(caught)
     logits_diff = (outputs["split"].logits.float().cpu() - outputs["single"].logits.float().cpu())
     logits_diff = logits_diff[mask.bool()].abs().max().item()
     loss_diff = abs(outputs["split"].loss.item() - outputs["single"].loss.item())
@@ -107,10 +141,12 @@ def run(model, device_map: dict, reference_device, new_tokens: int = 8, seed: in
         batch = [m.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **GREEDY).cpu()
                  for m in (single, split)]
         prefill = split(input_ids=ids, attention_mask=mask, use_cache=True)
-        placement_ok = cache_devices(prefill.past_key_values) == [(d, d) for d in layer_devices(split)]
+        placement_ok = cache_devices(kv_cache.returned(prefill)) == [(d, d) for d in layer_devices(split)]
         step = split(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1),
-                     past_key_values=prefill.past_key_values, use_cache=True)
-        placement_ok &= cache_devices(step.past_key_values) == [(d, d) for d in layer_devices(split)]
-    cpu_inputs_warned |= any("device" in str(w.message) for w in caught)
-    return Report(logits_diff, loss_diff, grad_diff, torch.equal(*greedy), torch.equal(*batch), placement_ok,
-                  cpu_inputs_warned)
+                     **kv_cache.argument(kv_cache.returned(prefill)), use_cache=True)
+        placement_ok &= cache_devices(kv_cache.returned(step)) == [(d, d) for d in layer_devices(split)]
+    warned = sorted(set(warned) | set(device_warnings(caught)))
+    divergence = first_divergence(single, [("greedy", prompt, torch.ones_like(prompt), greedy),
+                                           ("batch", ids, mask, batch)])
+    return Report(logits_diff, loss_diff, grad_diff, torch.equal(*greedy), torch.equal(*batch), placement_ok, warned,
+                  divergence)

@@ -4,6 +4,22 @@ and values, the memory they keep alive, and a static cache built the way each re
 import inspect
 
 import torch
+import transformers
+from packaging.version import Version
+
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (the old name still works
+# there, logging a deprecation); earlier releases know `past_key_values` only.
+NAME = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
+
+
+def argument(cache) -> dict:
+    """A forward's or generate()'s cache keyword, under the installed release's name: `model(**argument(cache))`."""
+    return {NAME: cache}
+
+
+def returned(outputs):
+    """The cache a forward returned, read under the installed release's name."""
+    return getattr(outputs, NAME)
 
 
 def layer_tensors(cache) -> list:
