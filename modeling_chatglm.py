@@ -174,7 +174,7 @@ _HAS_ACTIVATION_CHECKPOINTING = hasattr(PreTrainedModel, "activation_checkpointi
 _HAS_GENERIC_PREPARE_INPUTS = transformers_at_least("4.46")
 
 
-# 4.51 moved each step's logits to the device of generate()'s ids (`.to(device=input_ids.device)`); 4.44 to 4.50 use
+# 4.51 moved each step's logits to the device of generate()'s ids itself; 4.44 to 4.50 use
 # them where the output layer leaves them, so their ids must sit there too. Every release warns when the prompt's
 # device type differs from model.device's (the embedding's), 5.23+ not for a prompt on the CPU.
 _GENERATE_MOVES_LOGITS = transformers_at_least("4.51")
