@@ -5,14 +5,17 @@ What each forward gets is recorded at the base model (`model.transformer`), whoe
 and the cache is found among its arguments by type, not by name. A transformers release that renames the cache
 argument, or stops handing it over, fails here on its first decode step: transformers 5.24 renamed it `cache`, and
 generate() fed the whole sequence again at every step while the tokens stayed right."""
+import copy
 import logging
 from typing import List, NamedTuple
 
 import pytest
 import torch
+from packaging.version import Version
 from transformers.cache_utils import Cache
 
-from conftest import FAMILIES, REAL_VOCABULARY, TINY_SIZES, glm4v_prompt, optional_package, random_images
+from conftest import (FAMILIES, REAL_VOCABULARY, TINY_SIZES, TRANSFORMERS, glm4v_prompt, optional_package,
+                      random_images)
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 NEW_TOKENS = 5
@@ -201,6 +204,32 @@ def test_glm4v_generate_with_an_image_feeds_one_position_per_step(tiny_glm4v):
     # The three placeholder tokens become the image's rows and two more: the cache holds image_tokens - 1 extra.
     assert_cache_used(log.calls, prompt=len(prompt), new_tokens=NEW_TOKENS,
                       added=model.transformer.vision.image_tokens - 1)
+
+
+# ---- the cache's name in each release ----
+
+
+def test_the_forward_takes_the_cache_under_the_releases_names(tiny_model):
+    """5.24 renamed past_key_values to cache and deprecated the old name: there the forward takes either (the same
+    logits), never both; before 5.24 only past_key_values, and cache= names the argument to use."""
+    model = tiny_model("glm4")
+    ids = random_ids(1, 9, seed=7)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[:, -1]
+        first = model(input_ids=ids[:, :8], use_cache=True)
+        cache = first.cache if TRANSFORMERS >= Version("5.24") else first.past_key_values
+        reference = copy.deepcopy(cache)
+        step = model(input_ids=ids[:, 8:], past_key_values=copy.deepcopy(reference), use_cache=True).logits[:, -1]
+        torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+        if TRANSFORMERS >= Version("5.24"):
+            renamed = model(input_ids=ids[:, 8:], cache=copy.deepcopy(reference), use_cache=True).logits[:, -1]
+            torch.testing.assert_close(renamed, step, atol=0, rtol=0)
+            with pytest.raises(ValueError, match="past_key_values and cache"):
+                model(input_ids=ids[:, 8:], past_key_values=cache, cache=copy.deepcopy(reference))
+        else:
+            with pytest.raises(TypeError, match="use that name") as error:
+                model(input_ids=ids[:, 8:], cache=cache)
+            assert "past_key_values" in str(error.value)
 
 
 # ---- no deprecation from the model's own calls ----
