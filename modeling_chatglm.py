@@ -485,8 +485,8 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
 
     capacity = max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None
     if capacity is not None and isinstance(past, int) and past + length > capacity:
-        raise ValueError(f"past_key_values is a static cache of {capacity} tokens, which cannot take {length} new "
-                         f"tokens after {past}: create it with a larger max_cache_len.")
+        raise cache_argument_error(f"is a static cache of {capacity} tokens, which cannot take {length} new "
+                                   f"tokens after {past}: create it with a larger max_cache_len.")
 
 
 def check_one_float_width(model: nn.Module):
@@ -729,18 +729,52 @@ def cache_is_empty(cache: Cache) -> bool:
     return length == 0 if isinstance(length, int) else not bool(length)  # a tensor from static caches before 5.x
 
 
+def cache_argument_error(problem: str) -> ValueError:
+    """An error about the cache the caller passed, naming the argument: the one place that spells its name."""
+    return ValueError(f"past_key_values {problem}")
+
+
+def first_layer_keys(cache: Cache) -> Optional[torch.Tensor]:
+    """Layer 0's keys [batch, kv_heads, slots, head_dim] as `cache` holds them, None while it holds none (a new cache;
+    4.56+ static caches allocate on the first update). 4.56+ keep them on `cache.layers`, earlier releases in
+    `cache.key_cache` (static caches allocated up front, with their batch size)."""
+    if hasattr(cache, "layers"):
+        keys = getattr(cache.layers[0], "keys", None) if len(cache.layers) else None
+    else:
+        stored = getattr(cache, "key_cache", None)
+        keys = stored[0] if stored else None
+    return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
+
+
+def check_cache_shape(cache: Cache, model, batch: int):
+    """A cache of another batch size or of another model's key/value heads fails in the first layer's torch.cat
+    ("Sizes of tensors must match"); generate() does not expand a cache it is given for num_beams or
+    num_return_sequences. Reads layer 0's shape only."""
+    keys = first_layer_keys(cache)
+    sizes = model.encoder.layers[0].self_attention.sizes
+    if keys is None or (keys.shape[0], keys.shape[1], keys.shape[3]) == (batch, sizes.num_kv_heads, sizes.head_dim):
+        return
+    raise cache_argument_error(
+        f"holds keys of shape {list(keys.shape)} (batch, key/value heads, cached tokens, head dim); this model with "
+        f"an input of batch {batch} needs [{batch}, {sizes.num_kv_heads}, cached tokens, {sizes.head_dim}] "
+        "(multi_query_group_num key/value heads of kv_channels). Pass the cache this model returned for these "
+        "sequences (expanded to the batch generate() runs), or a new DynamicCache()."
+    )
+
+
 def cached_length(past_key_values, model, batch: int):
-    """Tokens held by `past_key_values`, after checking its type and, for a legacy tuple, its layout: one (key, value)
-    pair per layer, each [batch, kv_heads, cached, head_dim]. An int, or a tensor where a static cache counts its
-    written slots on an accelerator (reading it would cost a host sync)."""
+    """Tokens held by `past_key_values`, after checking its type and layout: as many layers as the model, each
+    [batch, kv_heads, cached, head_dim] (a Cache's first layer; every pair of a legacy tuple). An int, or a tensor
+    where a static cache counts its written slots on an accelerator (reading it would cost a host sync)."""
     if past_key_values is None:
         return 0
     if isinstance(past_key_values, Cache):
         layers = len(model.encoder.layers)
         filled = len(past_key_values) if isinstance(past_key_values, DynamicCache) else layers
         if 0 < filled < layers:  # a cache of another model (transformers < 4.47 took it, and failed in attention)
-            raise ValueError(f"past_key_values holds {filled} layers; this model has {layers} (num_layers). Pass the "
-                             "cache this model returned, or a new DynamicCache().")
+            raise cache_argument_error(f"holds {filled} layers; this model has {layers} (num_layers). Pass the "
+                                       "cache this model returned, or a new DynamicCache().")
+        check_cache_shape(past_key_values, model, batch)
         length = past_key_values.get_seq_length()
         if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_compiling():
             return int(length)
@@ -752,7 +786,7 @@ def cached_length(past_key_values, model, batch: int):
     if not isinstance(past_key_values, (tuple, list)) or len(past_key_values) != layers:
         got = f"a {type(past_key_values).__name__}" + (f" of {len(past_key_values)}"
                                                        if isinstance(past_key_values, (tuple, list)) else "")
-        raise ValueError(f"past_key_values must be {expected}; got {got}.")
+        raise cache_argument_error(f"must be {expected}; got {got}.")
     first = past_key_values[0][0] if len(past_key_values[0]) == 2 else None
     for pair in past_key_values:
         if len(pair) != 2 or any(not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point()
@@ -760,7 +794,7 @@ def cached_length(past_key_values, model, batch: int):
                                  or t.shape[3] != sizes.head_dim or t.shape[0] != batch
                                  or t.shape[:3] != first.shape[:3] for t in pair):
             shapes = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
-            raise ValueError(f"past_key_values must be {expected}; got a layer with {shapes}.")
+            raise cache_argument_error(f"must be {expected}; got a layer with {shapes}.")
     return first.shape[2]
 
 
