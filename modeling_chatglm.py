@@ -518,6 +518,105 @@ def check_loaded_weights(model: nn.Module, loading_info: dict, source):
     )
 
 
+# The weight files from_pretrained reads, in the order it looks for them (a sharded checkpoint's index names its shards).
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def with_variant(name: str, variant: Optional[str]) -> str:
+    """transformers' file name of a variant: "model.safetensors" -> "model.fp16.safetensors"."""
+    if not variant:
+        return name
+    parts = name.split(".")
+    return ".".join(parts[:-1] + [variant, parts[-1]])
+
+
+def local_checkpoint_file(source, name: str, kwargs: dict) -> Optional[str]:
+    """`name` of checkpoint `source` (a folder, or a hub id in the local Hugging Face cache) on this machine, or None."""
+    subfolder = kwargs.get("subfolder") or ""
+    if os.path.isdir(os.fspath(source)):
+        path = os.path.join(os.fspath(source), subfolder, name)
+        return path if os.path.isfile(path) else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(str(source), f"{subfolder}/{name}" if subfolder else name,
+                                       cache_dir=kwargs.get("cache_dir"), revision=kwargs.get("revision"))
+    except Exception:  # not a hub id (a file path, a malformed name): transformers reports it
+        return None
+    return found if isinstance(found, str) else None
+
+
+def stored_weight_files(source, kwargs: dict) -> Optional[list]:
+    """The weight files from_pretrained(source, **kwargs) reads, if all are on this machine already."""
+    if source is None or kwargs.get("gguf_file") or kwargs.get("state_dict") is not None:
+        return None
+    for name in MODEL_FILES:
+        if name.startswith("model.safetensors") and kwargs.get("use_safetensors") is False:
+            continue
+        found = local_checkpoint_file(source, with_variant(name, kwargs.get("variant")), kwargs)
+        if found is None:
+            continue
+        if not found.endswith(".index.json"):
+            return [found]
+        with open(found) as index:
+            shards = sorted(set(json.load(index)["weight_map"].values()))
+        files = [local_checkpoint_file(source, shard, kwargs) for shard in shards]
+        return files if all(files) else None
+    return None
+
+
+def non_float_tensors(files: list) -> list:
+    """(name, dtype, file) of each stored tensor that is not floating, read from the safetensors headers or a torch
+    file's records (memory-mapped): no tensor value is read."""
+    found = []
+    for file in files:
+        if file.endswith(".safetensors"):
+            with open(file, "rb") as handle:
+                header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+            names = {"BOOL": "bool", "I": "int", "U": "uint", "C": "complex"}
+            found += [(name, names.get(entry["dtype"]) or names.get(entry["dtype"][0], "") + entry["dtype"][1:], file)
+                      for name, entry in header.items()
+                      if name != "__metadata__" and not entry["dtype"].startswith(("F", "BF"))]
+            continue
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (not zip) torch file cannot be memory-mapped: transformers' checks apply
+            continue
+        found += [(name, str(tensor.dtype).replace("torch.", ""), file) for name, tensor in state.items()
+                  if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()]
+    return found
+
+
+def check_stored_dtypes(source, kwargs: dict, model) -> bool:
+    """Refuse a checkpoint that stores one of the model's float weights as an integer or bool tensor: transformers
+    casts it to float without a word (4.44 without low_cpu_mem_usage fails on the copy, naming neither dtype nor
+    file), and the logits are far off. Reads the files' headers only; `model` is the loaded model, or a callable
+    building one on the meta device, called only if a stored tensor is not floating. Returns whether the files were
+    on this machine to check (a hub checkpoint is downloaded by from_pretrained itself)."""
+    files = stored_weight_files(source, kwargs)
+    if files is None:
+        return False
+    stored = non_float_tensors(files)
+    if not stored or kwargs.get("quantization_config") is not None:
+        return True
+    if not isinstance(model, nn.Module):
+        with torch.device("meta"):
+            model = model()
+    if getattr(model.config, "quantization_config", None) is not None:  # quantized weights are stored as integers
+        return True
+    expected = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    prefix = model.base_model_prefix + "."
+    for name, dtype, file in stored:
+        for key in (name, name[len(prefix):] if name.startswith(prefix) else prefix + name):
+            if key in expected and expected[key].is_floating_point:
+                raise ValueError(
+                    f"{name} is stored as {dtype} in {file}; this model's weight is floating point ({expected[key]}), "
+                    f"and loading would cast the {dtype} values to it without a word, giving wrong logits. The "
+                    "checkpoint was saved or edited wrong: save the weights as float (bfloat16, float16 or float32)."
+                )
+    return True
+
+
 # ======================================================================================================================
 # Devices
 # ======================================================================================================================
@@ -1316,8 +1415,12 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             check_prefix_checkpoint(pretrained_model_name_or_path, cls._config_for(pretrained_model_name_or_path,
                                                                                    kwargs), kwargs)
         with_info = kwargs.pop("output_loading_info", False)
+        checked = check_stored_dtypes(pretrained_model_name_or_path, kwargs,
+                                      lambda: cls(cls._config_for(pretrained_model_name_or_path, kwargs)))
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
                                               **kwargs)
+        if not checked:  # downloaded by this call
+            check_stored_dtypes(pretrained_model_name_or_path, kwargs, model)
         check_loaded_weights(model, info, pretrained_model_name_or_path)
         check_one_float_width(model)
         settle_loaded_prefix(model, info)
@@ -1723,8 +1826,6 @@ def check_prefix_state(encoder: PrefixEncoder, state_dict: dict, source: str):
             "prefix was trained with (the base model must be the one it was trained on)."
         )
 
-
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 PREFIX_FILES = ("adapter_model.safetensors", "adapter_model.bin") + MODEL_FILES
 
