@@ -63,14 +63,20 @@ def test_bad_input_raises_a_value_error_naming_the_argument_and_the_shape(tiny_m
     assert re.search(expected, str(error.value)), str(error.value)
 
 
-def test_a_full_static_cache_says_how_to_make_room(tiny_model):
+def static_cache(config, batch_size: int, max_cache_len: int):
+    """A transformers StaticCache built by hand, with the arguments each release takes (4.56+ size it lazily)."""
     from transformers import StaticCache
     import inspect
 
-    model = tiny_model("chatglm3")
     params = inspect.signature(StaticCache.__init__).parameters
-    extra = {k: v for k, v in (("max_batch_size", 2), ("device", "cpu"), ("dtype", torch.float32)) if k in params}
-    cache = StaticCache(config=model.config, max_cache_len=8, **extra)
+    extra = {k: v for k, v in (("max_batch_size", batch_size), ("device", "cpu"), ("dtype", torch.float32))
+             if k in params}
+    return StaticCache(config=config, max_cache_len=max_cache_len, **extra)
+
+
+def test_a_full_static_cache_says_how_to_make_room(tiny_model):
+    model = tiny_model("chatglm3")
+    cache = static_cache(model.config, 2, 8)
     with torch.no_grad():
         model(input_ids=IDS[:, :6], past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match=r"past_key_values is a static cache of 8 tokens.*max_cache_len"):
@@ -191,13 +197,8 @@ def test_a_cache_of_another_models_key_value_heads_is_refused_naming_both_shapes
 
 
 def test_a_static_cache_of_another_batch_size_is_refused(tiny_model):
-    from transformers import StaticCache
-    import inspect
-
     model = tiny_model("chatglm3")
-    params = inspect.signature(StaticCache.__init__).parameters
-    extra = {k: v for k, v in (("max_batch_size", 4), ("device", "cpu"), ("dtype", torch.float32)) if k in params}
-    cache = StaticCache(config=model.config, max_cache_len=16, **extra)
+    cache = static_cache(model.config, 4, 16)
     with torch.no_grad():
         model(input_ids=IDS[:1].expand(4, -1), past_key_values=cache, use_cache=True)  # 4.56+ allocate here
         with pytest.raises(ValueError, match=r"^past_key_values holds keys of shape \[4, 2, 16, 16\] .*needs "
