@@ -548,8 +548,8 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
 
     capacity = max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None
     if capacity is not None and isinstance(past, int) and past + length > capacity:
-        raise ValueError(f"past_key_values is a static cache of {capacity} tokens, which cannot take {length} new "
-                         f"tokens after {past}: create it with a larger max_cache_len.")
+        raise cache_argument_error(f"is a static cache of {capacity} tokens, which cannot take {length} new "
+                                   f"tokens after {past}: create it with a larger max_cache_len.")
 
 
 def check_one_float_width(model: nn.Module):
@@ -579,6 +579,105 @@ def check_loaded_weights(model: nn.Module, loading_info: dict, source):
         f"differently). Expected keys such as {sorted(missing)[:4]}; found {found[:4] or 'none of them'}"
         f"{' (and %d more)' % (len(found) - 4) if len(found) > 4 else ''}. Load it with the code it came with."
     )
+
+
+# The weight files from_pretrained reads, in the order it looks for them (a sharded checkpoint's index names its shards).
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def with_variant(name: str, variant: Optional[str]) -> str:
+    """transformers' file name of a variant: "model.safetensors" -> "model.fp16.safetensors"."""
+    if not variant:
+        return name
+    parts = name.split(".")
+    return ".".join(parts[:-1] + [variant, parts[-1]])
+
+
+def local_checkpoint_file(source, name: str, kwargs: dict) -> Optional[str]:
+    """`name` of checkpoint `source` (a folder, or a hub id in the local Hugging Face cache) on this machine, or None."""
+    subfolder = kwargs.get("subfolder") or ""
+    if os.path.isdir(os.fspath(source)):
+        path = os.path.join(os.fspath(source), subfolder, name)
+        return path if os.path.isfile(path) else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(str(source), f"{subfolder}/{name}" if subfolder else name,
+                                       cache_dir=kwargs.get("cache_dir"), revision=kwargs.get("revision"))
+    except Exception:  # not a hub id (a file path, a malformed name): transformers reports it
+        return None
+    return found if isinstance(found, str) else None
+
+
+def stored_weight_files(source, kwargs: dict) -> Optional[list]:
+    """The weight files from_pretrained(source, **kwargs) reads, if all are on this machine already."""
+    if source is None or kwargs.get("gguf_file") or kwargs.get("state_dict") is not None:
+        return None
+    for name in MODEL_FILES:
+        if name.startswith("model.safetensors") and kwargs.get("use_safetensors") is False:
+            continue
+        found = local_checkpoint_file(source, with_variant(name, kwargs.get("variant")), kwargs)
+        if found is None:
+            continue
+        if not found.endswith(".index.json"):
+            return [found]
+        with open(found) as index:
+            shards = sorted(set(json.load(index)["weight_map"].values()))
+        files = [local_checkpoint_file(source, shard, kwargs) for shard in shards]
+        return files if all(files) else None
+    return None
+
+
+def non_float_tensors(files: list) -> list:
+    """(name, dtype, file) of each stored tensor that is not floating, read from the safetensors headers or a torch
+    file's records (memory-mapped): no tensor value is read."""
+    found = []
+    for file in files:
+        if file.endswith(".safetensors"):
+            with open(file, "rb") as handle:
+                header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+            names = {"BOOL": "bool", "I": "int", "U": "uint", "C": "complex"}
+            found += [(name, names.get(entry["dtype"]) or names.get(entry["dtype"][0], "") + entry["dtype"][1:], file)
+                      for name, entry in header.items()
+                      if name != "__metadata__" and not entry["dtype"].startswith(("F", "BF"))]
+            continue
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (not zip) torch file cannot be memory-mapped: transformers' checks apply
+            continue
+        found += [(name, str(tensor.dtype).replace("torch.", ""), file) for name, tensor in state.items()
+                  if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()]
+    return found
+
+
+def check_stored_dtypes(source, kwargs: dict, model) -> bool:
+    """Refuse a checkpoint that stores one of the model's float weights as an integer or bool tensor: transformers
+    casts it to float without a word (4.44 without low_cpu_mem_usage fails on the copy, naming neither dtype nor
+    file), and the logits are far off. Reads the files' headers only; `model` is the loaded model, or a callable
+    building one on the meta device, called only if a stored tensor is not floating. Returns whether the files were
+    on this machine to check (a hub checkpoint is downloaded by from_pretrained itself)."""
+    files = stored_weight_files(source, kwargs)
+    if files is None:
+        return False
+    stored = non_float_tensors(files)
+    if not stored or kwargs.get("quantization_config") is not None:
+        return True
+    if not isinstance(model, nn.Module):
+        with torch.device("meta"):
+            model = model()
+    if getattr(model.config, "quantization_config", None) is not None:  # quantized weights are stored as integers
+        return True
+    expected = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    prefix = model.base_model_prefix + "."
+    for name, dtype, file in stored:
+        for key in (name, name[len(prefix):] if name.startswith(prefix) else prefix + name):
+            if key in expected and expected[key].is_floating_point:
+                raise ValueError(
+                    f"{name} is stored as {dtype} in {file}; this model's weight is floating point ({expected[key]}), "
+                    f"and loading would cast the {dtype} values to it without a word, giving wrong logits. The "
+                    "checkpoint was saved or edited wrong: save the weights as float (bfloat16, float16 or float32)."
+                )
+    return True
 
 
 # ======================================================================================================================
@@ -792,18 +891,52 @@ def cache_is_empty(cache: Cache) -> bool:
     return length == 0 if isinstance(length, int) else not bool(length)  # a tensor from static caches before 5.x
 
 
+def cache_argument_error(problem: str) -> ValueError:
+    """An error about the cache the caller passed, naming the argument: the one place that spells its name."""
+    return ValueError(f"past_key_values {problem}")
+
+
+def first_layer_keys(cache: Cache) -> Optional[torch.Tensor]:
+    """Layer 0's keys [batch, kv_heads, slots, head_dim] as `cache` holds them, None while it holds none (a new cache;
+    4.56+ static caches allocate on the first update). 4.56+ keep them on `cache.layers`, earlier releases in
+    `cache.key_cache` (static caches allocated up front, with their batch size)."""
+    if hasattr(cache, "layers"):
+        keys = getattr(cache.layers[0], "keys", None) if len(cache.layers) else None
+    else:
+        stored = getattr(cache, "key_cache", None)
+        keys = stored[0] if stored else None
+    return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
+
+
+def check_cache_shape(cache: Cache, model, batch: int):
+    """A cache of another batch size or of another model's key/value heads fails in the first layer's torch.cat
+    ("Sizes of tensors must match"); generate() does not expand a cache it is given for num_beams or
+    num_return_sequences. Reads layer 0's shape only."""
+    keys = first_layer_keys(cache)
+    sizes = model.encoder.layers[0].self_attention.sizes
+    if keys is None or (keys.shape[0], keys.shape[1], keys.shape[3]) == (batch, sizes.num_kv_heads, sizes.head_dim):
+        return
+    raise cache_argument_error(
+        f"holds keys of shape {list(keys.shape)} (batch, key/value heads, cached tokens, head dim); this model with "
+        f"an input of batch {batch} needs [{batch}, {sizes.num_kv_heads}, cached tokens, {sizes.head_dim}] "
+        "(multi_query_group_num key/value heads of kv_channels). Pass the cache this model returned for these "
+        "sequences (expanded to the batch generate() runs), or a new DynamicCache()."
+    )
+
+
 def cached_length(past_key_values, model, batch: int):
-    """Tokens held by `past_key_values`, after checking its type and, for a legacy tuple, its layout: one (key, value)
-    pair per layer, each [batch, kv_heads, cached, head_dim]. An int, or a tensor where a static cache counts its
-    written slots on an accelerator (reading it would cost a host sync)."""
+    """Tokens held by `past_key_values`, after checking its type and layout: as many layers as the model, each
+    [batch, kv_heads, cached, head_dim] (a Cache's first layer; every pair of a legacy tuple). An int, or a tensor
+    where a static cache counts its written slots on an accelerator (reading it would cost a host sync)."""
     if past_key_values is None:
         return 0
     if isinstance(past_key_values, Cache):
         layers = len(model.encoder.layers)
         filled = len(past_key_values) if isinstance(past_key_values, DynamicCache) else layers
         if 0 < filled < layers:  # a cache of another model (transformers < 4.47 took it, and failed in attention)
-            raise ValueError(f"past_key_values holds {filled} layers; this model has {layers} (num_layers). Pass the "
-                             "cache this model returned, or a new DynamicCache().")
+            raise cache_argument_error(f"holds {filled} layers; this model has {layers} (num_layers). Pass the "
+                                       "cache this model returned, or a new DynamicCache().")
+        check_cache_shape(past_key_values, model, batch)
         length = past_key_values.get_seq_length()
         if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_compiling():
             return int(length)
@@ -815,7 +948,7 @@ def cached_length(past_key_values, model, batch: int):
     if not isinstance(past_key_values, (tuple, list)) or len(past_key_values) != layers:
         got = f"a {type(past_key_values).__name__}" + (f" of {len(past_key_values)}"
                                                        if isinstance(past_key_values, (tuple, list)) else "")
-        raise ValueError(f"past_key_values must be {expected}; got {got}.")
+        raise cache_argument_error(f"must be {expected}; got {got}.")
     first = past_key_values[0][0] if len(past_key_values[0]) == 2 else None
     for pair in past_key_values:
         if len(pair) != 2 or any(not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point()
@@ -823,7 +956,7 @@ def cached_length(past_key_values, model, batch: int):
                                  or t.shape[3] != sizes.head_dim or t.shape[0] != batch
                                  or t.shape[:3] != first.shape[:3] for t in pair):
             shapes = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
-            raise ValueError(f"past_key_values must be {expected}; got a layer with {shapes}.")
+            raise cache_argument_error(f"must be {expected}; got a layer with {shapes}.")
     return first.shape[2]
 
 
@@ -1345,8 +1478,12 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             check_prefix_checkpoint(pretrained_model_name_or_path, cls._config_for(pretrained_model_name_or_path,
                                                                                    kwargs), kwargs)
         with_info = kwargs.pop("output_loading_info", False)
+        checked = check_stored_dtypes(pretrained_model_name_or_path, kwargs,
+                                      lambda: cls(cls._config_for(pretrained_model_name_or_path, kwargs)))
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
                                               **kwargs)
+        if not checked:  # downloaded by this call
+            check_stored_dtypes(pretrained_model_name_or_path, kwargs, model)
         check_loaded_weights(model, info, pretrained_model_name_or_path)
         check_one_float_width(model)
         settle_loaded_prefix(model, info)
@@ -1755,8 +1892,6 @@ def check_prefix_state(encoder: PrefixEncoder, state_dict: dict, source: str):
             "prefix was trained with (the base model must be the one it was trained on)."
         )
 
-
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 PREFIX_FILES = ("adapter_model.safetensors", "adapter_model.bin") + MODEL_FILES
 

@@ -88,13 +88,13 @@ def texts_per_second(encode, batches, seconds: float) -> float:
 
 def benchmark(family: str, workdir: Path, args) -> None:
     import transformers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     folder = prepare_folder(workdir, family)
     slow = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
-    # chatglm3-6b's tokenizer_config.json lists control tokens with other flags than tokenizer.json's: keep these.
-    fast = PreTrainedTokenizerFast.from_pretrained(str(folder), **({"added_tokens_decoder": {}}
-                                                                    if family == "chatglm3" else {}))
+    import convert_tokenizer_to_fast
+
+    fast = convert_tokenizer_to_fast.load_fast_tokenizer(folder)  # as the README loads it
     runs = {}
     if family == "glm4":
         baseline = baseline_class(type(slow)).from_pretrained(str(folder))

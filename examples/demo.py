@@ -11,9 +11,11 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -60,6 +62,19 @@ def build_tiny_checkpoint(folder: Path, seed: int) -> Path:
     return folder
 
 
+def quantized(folder: Optional[Path]) -> bool:
+    """Whether a checkpoint folder holds quantized weights (its config.json has a quantization_config)."""
+    config = folder / "config.json" if folder is not None else None
+    return config is not None and config.is_file() and "quantization_config" in json.loads(config.read_text())
+
+
+def without_unused_quantization_backend():
+    """transformers 5 imports torchao on its first model load whenever torchao is installed (its quantizer registry,
+    transformers.quantizers.auto), and torchao prints load failures of its CUDA kernels and torch warnings on import.
+    The demo quantizes nothing: marking the package absent for this process keeps it from being imported."""
+    sys.modules.setdefault("torchao", None)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint folder (copy this repository's .py files into it first)")
@@ -69,45 +84,68 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    # Everything the demo writes (the tiny checkpoint, transformers' copy of the remote code) goes in one folder,
+    # removed at the end, also after an error, Ctrl-C or a kill (SIGTERM).
+    workdir = Path(tempfile.mkdtemp(prefix="chatglm-demo-"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(args, workdir: Path) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="chatglm-demo-modules-"))
+    os.environ.setdefault("HF_MODULES_CACHE", str(workdir / "modules"))
+    if not quantized(Path(args.model) if args.model else None):
+        without_unused_quantization_backend()
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    workdir = Path(tempfile.mkdtemp(prefix="chatglm-demo-"))
-    try:
-        folder = Path(args.model) if args.model else build_tiny_checkpoint(workdir / "glm4_tiny_demo", args.seed)
-        load = {"device_map": "auto"} if args.device == "auto" else {}
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **load)
-        if args.device != "auto":
-            model = model.to(args.device)
-        model.eval()
-        print(f"transformers {transformers.__version__}, torch {torch.__version__}: loaded {type(model).__name__} "
-              f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters) from {folder}")
+    if args.model:
+        folder = Path(args.model)
+    else:
+        transformers.utils.logging.disable_progress_bar()  # a one-file, 40 MB checkpoint: no bar to watch
+        print(f"building a random-weight checkpoint: glm-4-9b-chat's config.json with {DEMO_SIZES['num_layers']} "
+              f"layers of {DEMO_SIZES['hidden_size']}", flush=True)
+        folder = build_tiny_checkpoint(workdir / "glm4_tiny_demo", args.seed)
+    load = {"device_map": "auto"} if args.device == "auto" else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **load)
+    if args.device != "auto":
+        model = model.to(args.device)
+    model.eval()
+    print(f"loaded {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters) "
+          f"with transformers {transformers.__version__}, torch {torch.__version__}")
 
-        tokenizer = None
-        if (folder / "tokenizer.model").exists():
-            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
-        if tokenizer is not None:
-            messages = [{"role": "user", "content": args.prompt}]
-            inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_tensors="pt", return_dict=True)
-            print("prompt ids:", inputs["input_ids"][0].tolist())
-        else:
-            print("(no tokenizer files found: generating from fixed token ids)")
-            ids = torch.tensor([[151331, 151333, 151336, 198, 9707, 151337]])
-            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-        new_tokens = output[0, inputs["input_ids"].shape[1]:]
-        print("generated ids:", new_tokens.tolist())
-        if tokenizer is not None:
-            print("generated text:", repr(tokenizer.decode(new_tokens, skip_special_tokens=True)))
-        print("demo: ok")
-        return 0
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    tokenizer = None
+    if (folder / "tokenizer.model").exists():
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    if tokenizer is not None:
+        messages = [{"role": "user", "content": args.prompt}]
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_tensors="pt", return_dict=True)
+        print(f"prompt: {args.prompt!r} -> ids {inputs['input_ids'][0].tolist()}")
+    else:
+        ids = torch.tensor([[151331, 151333, 151336, 198, 9707, 151337]])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        print(f"prompt: ids {ids[0].tolist()} (no tokenizer files found: set CHATGLM_SHARED_DIR for text)")
+    inputs = {name: tensor.to(model.device) for name, tensor in inputs.items()}
+    # Greedy, from the checkpoint's generation_config.json otherwise (glm-4-9b-chat's: its stop ids). That file bounds
+    # the whole sequence (max_length=128000), which transformers 5 counts as set by the caller, warning when
+    # max_new_tokens is given as well: the demo bounds the whole sequence too, the prompt and --max-new-tokens. Its
+    # sampling settings are unset for greedy search (transformers 4 warns about them otherwise).
+    max_length = inputs["input_ids"].shape[1] + args.max_new_tokens
+    with torch.no_grad():
+        output = model.generate(**inputs, max_length=max_length, do_sample=False, temperature=None, top_p=None)
+    new_tokens = output[0, inputs["input_ids"].shape[1]:]
+    if tokenizer is not None:
+        answer = repr(tokenizer.decode(new_tokens, skip_special_tokens=True))
+        print(f"answer: {answer} <- ids {new_tokens.tolist()}" + ("" if args.model else " (random weights: no meaning)"))
+    else:
+        print(f"answer: ids {new_tokens.tolist()}")
+    print("demo: ok")
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,21 +12,33 @@ CONSTRAINTS="$ROOT/scripts/constraints.txt"
 # Newest release the repository is tested against; the demo runs on it.
 DEFAULT_TRANSFORMERS="5.24.0"
 
+# Each step that installs something says so on stderr, one line ending with its time; with everything installed the
+# set-up prints one line (stdout). pip itself stays quiet: its lines would bury the steps.
+setup_step() { printf 'set-up: %s ...' "$1" >&2; STEP_START=$SECONDS; }
+setup_step_done() { printf ' done (%d s)\n' "$((SECONDS - STEP_START))" >&2; }
 if [ ! -x "$PY" ]; then
+  setup_step "creating the virtual environment $VENV"
   python3 -m venv "$VENV"
+  setup_step_done
 fi
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  setup_step "installing torch 2.13.0 (the CPU wheel, about 200 MB to download on a first run)"
   pip_install torch==2.13.0
+  setup_step_done
 fi
 # The six dependencies and the test runner; then, unless CHATGLM_MINIMAL=1, what the tests exercise as users do:
 # Pillow (GLM-4V images), torchao and optimum-quanto (model.quantize()); PEFT and TRL come with each transformers
 # release below, pinned to that release.
 if ! "$PY" -c 'import accelerate, safetensors, sentencepiece, tiktoken, pytest, hypothesis' 2>/dev/null; then
+  setup_step "installing accelerate, safetensors, sentencepiece, tiktoken, pytest, hypothesis"
   pip_install accelerate safetensors sentencepiece tiktoken pytest hypothesis
+  setup_step_done
 fi
 if [ "${CHATGLM_MINIMAL:-0}" != 1 ] && ! "$PY" -c 'import PIL, torchao, optimum.quanto' 2>/dev/null; then
+  setup_step "installing pillow, torchao, optimum-quanto (for the tests of optional features)"
   pip_install pillow torchao optimum-quanto
+  setup_step_done
 fi
 
 # companion_pins VERSION: sets TRL_PIN and PEFT_PIN, the TRL and PEFT that users of that transformers release have
@@ -48,25 +60,32 @@ use_transformers() {
   local want="$1" have
   have="$("$PY" -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)"
   if [ "$have" != "$want" ]; then
+    setup_step "installing transformers $want${have:+ (replacing $have)}"
     pip_install "transformers==$want"
+    setup_step_done
   fi
   if [ "${CHATGLM_MINIMAL:-0}" != 1 ]; then
     companion_pins "$want"
     if [ "$("$PY" -c 'import trl; print(trl.__version__)' 2>/dev/null || true)" != "$TRL_PIN" ] || \
        [ "$("$PY" -c 'import peft; print(peft.__version__)' 2>/dev/null || true)" != "$PEFT_PIN" ]; then
       # rich: TRL 0.11 imports it without declaring it (a newer huggingface-hub's typer used to bring it).
+      setup_step "installing trl $TRL_PIN, peft $PEFT_PIN (for the tests' fine-tuning recipes)"
       pip_install "trl==$TRL_PIN" "peft==$PEFT_PIN" rich "transformers==$want"
+      setup_step_done
     fi
   fi
 }
 
 # The canary's environment (scripts/canary.sh): the newest release on the registry of everything but torch.
 use_newest() {
+  setup_step "installing the newest transformers, peft, trl, accelerate, tokenizers on the registry"
   pip_install --upgrade transformers peft trl accelerate tokenizers huggingface-hub safetensors sentencepiece \
     tiktoken rich
+  setup_step_done
 }
 
 if [ "${1:-}" = newest ]; then use_newest; else use_transformers "${1:-$DEFAULT_TRANSFORMERS}"; fi
+echo "environment: $VENV ready"
 
 # Tests and the demo never reach a hub, and never reuse remote code cached by an earlier run.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1

@@ -8,7 +8,6 @@ text by default and keeps it as text with `split_special_tokens=True`.
 import base64
 import functools
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -286,24 +285,10 @@ def test_glm4_fast_equals_slow_on_real_text(glm4_fast_tokenizer, glm4_tokenizer,
 # ChatGLM3
 # ---------------------------------------------------------------------------------------------------------------------
 
-# SentencePiece's own control pieces: the fast tokenizer registers them as special tokens (transformers does so on
-# load anyway), so in parse mode it reads their text as them, where ChatGLMTokenizer parses its 9 control tokens only.
+# SentencePiece's own pieces: plain vocabulary entries in the fast tokenizer, their text kept as text in both modes,
+# as in the slow tokenizer (and the original).
 SENTENCEPIECE_SPECIALS = ("<unk>", "<s>", "</s>")
 CHATGLM3_PREFIX = [64790, 64792]
-# The one difference from the slow tokenizer (and the original): transformers registers a fast tokenizer's unk/pad and
-# eos tokens as added tokens, which a fast tokenizer always matches in text; the slow one keeps this text as text.
-FAST_ONLY_PARSED = {"<unk>": 0, "</s>": 2}
-
-
-def chatglm3_fast_parse_expected(slow, text):
-    """The slow tokenizer's ids with special-token text parsed, "<unk>" / "</s>" text taken as ids 0 / 2."""
-    ids = []
-    for piece in re.split("(" + "|".join(map(re.escape, FAST_ONLY_PARSED)) + ")", text):
-        if piece in FAST_ONLY_PARSED:
-            ids.append(FAST_ONLY_PARSED[piece])
-        elif piece:
-            ids += slow.encode(piece, add_special_tokens=False, split_special_tokens=False)
-    return ids
 
 
 def chatglm3_expected_offsets(text, ids, sp_model):
@@ -347,7 +332,7 @@ def test_chatglm3_every_vocabulary_entry_encodes_as_sentencepiece_does(chatglm3_
     # Special-token text parsed: the same as the slow tokenizer (entries such as " sop" hold a control token's text).
     backend.encode_special_tokens = False
     parsed = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
-    assert parsed == [chatglm3_fast_parse_expected(chatglm3_tokenizer, text) for text in texts]
+    assert parsed == chatglm3_tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def test_chatglm3_fast_matches_the_reference_vectors_and_the_slow_tokenizer(chatglm3_fast_tokenizer,
@@ -358,14 +343,10 @@ def test_chatglm3_fast_matches_the_reference_vectors_and_the_slow_tokenizer(chat
         # sp_encode_ids: the original's SentencePiece ids, what its build_chat_input used for plain text.
         assert fast.encode(text, add_special_tokens=False, split_special_tokens=True) == record["sp_encode_ids"]
         assert fast(text, split_special_tokens=True)["input_ids"] == CHATGLM3_PREFIX + record["sp_encode_ids"]
-        assert fast.encode(text, add_special_tokens=False) == chatglm3_fast_parse_expected(slow, text), record["id"]
-        if not holds_any(text, FAST_ONLY_PARSED):
-            assert fast.encode(text, add_special_tokens=False) == slow.encode(text, add_special_tokens=False)
+        assert fast.encode(text, add_special_tokens=False) == slow.encode(text, add_special_tokens=False), record["id"]
         assert fast.decode(record["sp_encode_ids"]) == slow.decode(record["sp_encode_ids"]) == text
         ids = slow.encode(text, split_special_tokens=True)
         assert fast.decode(ids, skip_special_tokens=True) == slow.decode(ids, skip_special_tokens=True) == text
-    sp = slow.tokenizer
-    assert fast.encode("a </s> b", add_special_tokens=False) == sp.encode("a ") + [2] + sp.encode(" b")
     for record in of_kind(chatglm3_records, "batch"):
         side = "right" if record["padding_side"] == "right" else "left"
         outputs = []
@@ -397,18 +378,72 @@ def test_chatglm3_fast_equals_slow_on_real_text(chatglm3_fast_tokenizer, chatglm
                      if holds_any(text, chatglm3_tokenizer.CONTROL_TOKENS + SENTENCEPIECE_SPECIALS)]
     assert len(with_controls) > 50
     for text, encoding in zip(with_controls, backend.encode_batch(with_controls, add_special_tokens=False)):
-        assert encoding.ids == chatglm3_fast_parse_expected(chatglm3_tokenizer, text), text[:80]
+        assert encoding.ids == chatglm3_tokenizer.encode(text, add_special_tokens=False), text[:80]
 
 
 @pytest.mark.parametrize("text", ["eop The ratio was 3:1", "[sMASK]", "a [MASK] b", "<s>", "isopropyl sop",
-                                  "<|system|>x<|observation|>"])
+                                  "<|system|>x<|observation|>", "a <unk> b", "a </s> b", "</s>"])
 def test_chatglm3_fast_parses_the_slow_tokenizers_control_tokens_only(chatglm3_fast_tokenizer, chatglm3_tokenizer,
                                                                        text):
-    """"[MASK]", "[sMASK]", "eop" (and "<s>") stay text, as in the slow tokenizer and the original; the ids still
-    decode to their text."""
+    """"[MASK]", "[sMASK]", "eop", "<unk>", "<s>" and "</s>" stay text, as in the slow tokenizer and the original
+    ("a </s> b" was [260, 30910, 2, 265, 30931]); the control ids still decode to their text."""
     fast, slow = chatglm3_fast_tokenizer, chatglm3_tokenizer
     assert fast.encode(text, add_special_tokens=False) == slow.encode(text, add_special_tokens=False)
     assert fast.decode([64789, 64791, 64793]) == slow.decode([64789, 64791, 64793]) == "[MASK][sMASK]eop"
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_chatglm3_fast_decodes_sentencepieces_own_pieces_as_the_slow_tokenizer(chatglm3_fast_tokenizer,
+                                                                               chatglm3_tokenizer, skip):
+    """"<unk>", "<s>" and "</s>" decode to nothing, as SentencePiece decodes them, whether or not special tokens are
+    skipped; the unk, eos and pad tokens keep their ids."""
+    fast, slow = chatglm3_fast_tokenizer, chatglm3_tokenizer
+    assert (fast.unk_token_id, fast.eos_token_id, fast.pad_token_id) == (slow.unk_token_id, slow.eos_token_id,
+                                                                         slow.pad_token_id) == (0, 2, 0)
+    for ids in ([260, 0, 280], [260, 1, 280], [260, 2, 280], [2], [1, 260, 280, 2, 0]):
+        assert fast.decode(ids, skip_special_tokens=skip) == slow.decode(ids, skip_special_tokens=skip), ids
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every vocabulary entry's spelling typed in text: fast == slow, in both special-token modes
+# ---------------------------------------------------------------------------------------------------------------------
+
+def chatglm3_spellings(slow) -> list:
+    """Every SentencePiece piece as written ("▁the", "<0x0A>", "</s>") and as the text it stands for (" the"), and the
+    9 control tokens."""
+    sp_model = slow.tokenizer.sp_model
+    pieces = [sp_model.id_to_piece(index) for index in range(sp_model.vocab_size())]
+    return sorted(set(pieces) | {piece.replace("▁", " ") for piece in pieces} | set(slow.CONTROL_TOKENS))
+
+
+def glm4_spellings(token_bytes) -> list:
+    """Every rank's bytes as text (U+FFFD for bytes that are part of a character), and the 14 special tokens."""
+    return sorted({data.decode("utf-8", errors="replace") for data in token_bytes.values()} | set(GLM4_SPECIALS))
+
+
+def spelling_mismatches(fast, slow, texts, **kwargs) -> list:
+    got = fast(texts, **kwargs)["input_ids"]
+    want = slow(texts, **kwargs)["input_ids"]
+    return [(text, fast_ids, slow_ids) for text, fast_ids, slow_ids in zip(texts, got, want) if fast_ids != slow_ids]
+
+
+@pytest.mark.parametrize("family", ["chatglm3", pytest.param("glm4", marks=pytest.mark.matrix_ends)])
+@pytest.mark.parametrize("split_special_tokens", [False, True])
+def test_fast_equals_slow_on_every_spelling_typed_in_text(family, split_special_tokens, request):
+    """Each vocabulary entry's and special token's spelling in "a {spelling} b", encoded in one batch per mode:
+    parsed (split_special_tokens=False) and as text, each with and without the [gMASK] <sop> prefix. ChatGLM3's
+    fast tokenizer used to parse "<unk>" and "</s>" typed in text (ids 0 and 2), which the slow one keeps as text."""
+    fast = request.getfixturevalue(f"{family}_fast_tokenizer")
+    slow = request.getfixturevalue(f"{family}_tokenizer")
+    spellings = chatglm3_spellings(slow) if family == "chatglm3" else glm4_spellings(
+        request.getfixturevalue("token_bytes"))
+    assert len(spellings) > (85_000 if family == "chatglm3" else 150_000)
+    texts = [f"a {spelling} b" for spelling in spellings]
+    for add_special_tokens in (False, True):
+        bad = spelling_mismatches(fast, slow, texts, add_special_tokens=add_special_tokens,
+                                  split_special_tokens=split_special_tokens)
+        assert not bad, f"{len(bad)} of {len(texts)} texts (add_special_tokens={add_special_tokens}) differ, " \
+                        f"as (text, fast, slow): {bad[:5]}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

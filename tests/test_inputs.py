@@ -63,14 +63,20 @@ def test_bad_input_raises_a_value_error_naming_the_argument_and_the_shape(tiny_m
     assert re.search(expected, str(error.value)), str(error.value)
 
 
-def test_a_full_static_cache_says_how_to_make_room(tiny_model):
+def static_cache(config, batch_size: int, max_cache_len: int):
+    """A transformers StaticCache built by hand, with the arguments each release takes (4.56+ size it lazily)."""
     from transformers import StaticCache
     import inspect
 
-    model = tiny_model("chatglm3")
     params = inspect.signature(StaticCache.__init__).parameters
-    extra = {k: v for k, v in (("max_batch_size", 2), ("device", "cpu"), ("dtype", torch.float32)) if k in params}
-    cache = StaticCache(config=model.config, max_cache_len=8, **extra)
+    extra = {k: v for k, v in (("max_batch_size", batch_size), ("device", "cpu"), ("dtype", torch.float32))
+             if k in params}
+    return StaticCache(config=config, max_cache_len=max_cache_len, **extra)
+
+
+def test_a_full_static_cache_says_how_to_make_room(tiny_model):
+    model = tiny_model("chatglm3")
+    cache = static_cache(model.config, 2, 8)
     with torch.no_grad():
         model(input_ids=IDS[:, :6], past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match=r"past_key_values is a static cache of 8 tokens.*max_cache_len"):
@@ -160,3 +166,52 @@ def test_a_cache_with_fewer_layers_than_the_model_is_refused(tiny_model):
     with pytest.raises(ValueError, match=r"past_key_values holds 1 layers; this model has 3 \(num_layers\)"), \
             torch.no_grad():
         model(input_ids=IDS, past_key_values=cache)
+
+
+def forward_cache(model, batch: int):
+    """The cache `model` returns for a prompt of `batch` sequences of 7 tokens."""
+    with torch.no_grad():
+        return model(input_ids=IDS[:1, :].expand(batch, -1), use_cache=True).past_key_values
+
+
+def test_a_cache_of_another_batch_size_is_refused_naming_both_shapes(tiny_model):
+    """It failed in the first layer's torch.cat ("Sizes of tensors must match ... Expected size 3 but got size 1")."""
+    model = tiny_model("glm4")
+    cache = forward_cache(model, 3)
+    with pytest.raises(ValueError, match=r"^past_key_values holds keys of shape \[3, 2, 7, 16\] .*needs "
+                                         r"\[1, 2, cached tokens, 16\]"), torch.no_grad():
+        model(input_ids=IDS[:1, :1], past_key_values=cache)
+
+
+def test_a_cache_of_another_models_key_value_heads_is_refused_naming_both_shapes(tiny_model):
+    """A cache of a model with 4 key/value heads failed in torch.cat ("Expected size 4 but got size 2")."""
+    model, other = tiny_model("glm4"), tiny_model("glm4", multi_query_group_num=4)
+    cache = forward_cache(other, 2)
+    with pytest.raises(ValueError, match=r"^past_key_values holds keys of shape \[2, 4, 7, 16\] .*needs "
+                                         r"\[2, 2, cached tokens, 16\]"), torch.no_grad():
+        model(input_ids=IDS[:, :1], past_key_values=cache)
+    head_dim = forward_cache(tiny_model("glm4", kv_channels=8), 2)
+    with pytest.raises(ValueError, match=r"^past_key_values holds keys of shape \[2, 2, 7, 8\] .*needs "
+                                         r"\[2, 2, cached tokens, 16\]"), torch.no_grad():
+        model(input_ids=IDS[:, :1], past_key_values=head_dim)
+
+
+def test_a_static_cache_of_another_batch_size_is_refused(tiny_model):
+    model = tiny_model("chatglm3")
+    cache = static_cache(model.config, 4, 16)
+    with torch.no_grad():
+        model(input_ids=IDS[:1].expand(4, -1), past_key_values=cache, use_cache=True)  # 4.56+ allocate here
+        with pytest.raises(ValueError, match=r"^past_key_values holds keys of shape \[4, 2, 16, 16\] .*needs "
+                                             r"\[2, 2, cached tokens, 16\]"):
+            model(input_ids=IDS[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_generate_with_beams_refuses_a_prompt_cache_of_the_unexpanded_batch(tiny_model):
+    """generate() expands the inputs for num_beams, not a cache it is given: the error says what to pass."""
+    model = tiny_model("glm4")
+    cache = forward_cache(model, 1)
+    prompt = torch.cat([IDS[:1], IDS[:1, :2]], dim=1)
+    with pytest.raises(ValueError, match=r"^past_key_values holds keys of shape \[1, 2, 7, 16\] .*batch 2"):
+        model.generate(prompt, past_key_values=cache, num_beams=2, max_new_tokens=2, do_sample=False)
+    continued = model.generate(prompt, past_key_values=forward_cache(model, 1), max_new_tokens=2, do_sample=False)
+    assert torch.equal(continued, model.generate(prompt, max_new_tokens=2, do_sample=False))

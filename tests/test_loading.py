@@ -570,3 +570,87 @@ def test_checkpoint_with_a_float64_weight_loads_in_one_dtype_or_names_the_argume
     assert len({p.dtype for p in model.parameters()}) == 1
     with torch.no_grad():
         model(input_ids=golden.expected["seq_1_input_ids"][None])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Weights stored as integers or bools
+# ---------------------------------------------------------------------------------------------------------------------
+QKV = "transformer.encoder.layers.0.self_attention.query_key_value.weight"
+# Every way transformers reads the weights: 4.x copies them into the built model unless low_cpu_mem_usage or a
+# device_map loads them into an empty one; 5.x has one path.
+LOAD_PATHS = [{}, {"device_map": "cpu"}] + ([{"low_cpu_mem_usage": True}] if TRANSFORMERS < Version("5.0") else [])
+
+
+def write_weights(model, folder: Path, change: dict, layout: str = "safetensors") -> Path:
+    """A checkpoint folder of `model` whose weights hold `change` (name -> tensor): one safetensors file, two
+    safetensors shards with their index, or a torch file. Returns the file holding the first changed name."""
+    from safetensors.torch import save_file
+
+    folder = save_checkpoint(model, folder)
+    for path in folder.glob("model*.safetensors*"):
+        path.unlink()
+    state = {name: tensor.contiguous() for name, tensor in {**model.state_dict(), **change}.items()}
+    if layout == "torch file":
+        torch.save(state, folder / "pytorch_model.bin")
+        return folder / "pytorch_model.bin"
+    if layout == "safetensors":
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder / "model.safetensors"
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, shard_names in halves.items():
+        save_file({name: state[name] for name in shard_names}, str(folder / shard), metadata={"format": "pt"})
+    weight_map = {name: shard for shard, shard_names in halves.items() for name in shard_names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder / weight_map[next(iter(change))]
+
+
+@pytest.mark.parametrize("load", LOAD_PATHS, ids=lambda load: ",".join(load) or "default")
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_a_float_weight_stored_as_integers_or_bools_is_refused_naming_it(tiny_model, tmp_path, dtype, load):
+    """It loaded, cast to float, and the logits were off by about 10 with no message (4.44 without low_cpu_mem_usage
+    failed on the copy, naming neither the dtype nor the file)."""
+    model = tiny_model("glm4")
+    file = write_weights(model, tmp_path / "checkpoint", {QKV: model.state_dict()[QKV].to(dtype)})
+    name = str(dtype).replace("torch.", "")
+    with pytest.raises(ValueError, match=rf"^{re.escape(QKV)} is stored as {name} in {re.escape(str(file))};.*float32"):
+        load_causal_lm(file.parent, **load)
+
+
+@pytest.mark.parametrize("layout", ["shards", "torch file"])
+def test_the_refusal_names_the_shard_or_torch_file_holding_the_tensor(tiny_model, tmp_path, layout):
+    model = tiny_model("chatglm3")
+    file = write_weights(model, tmp_path / "checkpoint", {QKV: model.state_dict()[QKV].to(torch.int64)}, layout)
+    with pytest.raises(ValueError, match=rf"^{re.escape(QKV)} is stored as int64 in {re.escape(str(file))};"):
+        load_causal_lm(file.parent)
+
+
+def test_the_refusal_names_the_file_in_the_hugging_face_cache(tiny_model, tmp_path):
+    from tool_faults import hub_cache
+
+    model = tiny_model("glm4")
+    folder = write_weights(model, tmp_path / "checkpoint", {QKV: model.state_dict()[QKV].to(torch.int32)}).parent
+    layout = hub_cache(tmp_path / "hub", {path.name: path.read_bytes() for path in folder.iterdir()},
+                       repo_id="someone/glm4-tiny-int")
+    with pytest.raises(ValueError, match=rf"^{re.escape(QKV)} is stored as int32 in "
+                                         rf"{re.escape(str(layout['a'] / 'model.safetensors'))};"):
+        load_causal_lm("someone/glm4-tiny-int", cache_dir=str(tmp_path / "hub"))
+
+
+def test_an_integer_tensor_that_is_no_weight_of_the_model_loads(tiny_model, tmp_path):
+    """Only the model's float weights are checked: another integer entry (a training step counter) is transformers'
+    unexpected key, as before."""
+    model = tiny_model("glm4")
+    folder = write_weights(model, tmp_path / "checkpoint", {"transformer.step": torch.tensor([7])}).parent
+    loaded = load_causal_lm(folder)
+    assert all(torch.equal(tensor, loaded.state_dict()[name]) for name, tensor in model.state_dict().items())
+
+
+def test_after_a_download_the_loaded_model_is_checked(tiny_model, chatglm, tmp_path):
+    """A hub checkpoint not yet on this machine is checked once from_pretrained has downloaded it, against the
+    loaded model."""
+    model = tiny_model("glm4")
+    file = write_weights(model, tmp_path / "checkpoint", {QKV: model.state_dict()[QKV].to(torch.int16)})
+    with pytest.raises(ValueError, match=rf"^{re.escape(QKV)} is stored as int16 in {re.escape(str(file))};"):
+        chatglm.modeling.check_stored_dtypes(file.parent, {}, model)
+    assert chatglm.modeling.check_stored_dtypes(tmp_path / "elsewhere", {}, model) is False

@@ -7,6 +7,7 @@ target) with the state before, or with the result of a run without faults.
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -443,19 +444,63 @@ def test_a_real_full_tmpfs_leaves_the_folder_as_it_was(tmp_path):
 # The demo and the GPU check
 # ---------------------------------------------------------------------------------------------------------------------
 
-def test_demo_runs_offline_through_auto_classes(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    result = subprocess.run([sys.executable, str(REPO / "examples" / "demo.py"), "--max-new-tokens", "5"],
-                            capture_output=True, text=True, env=env, timeout=600)
+DEMO = [sys.executable, str(REPO / "examples" / "demo.py")]
+# What a first run prints, line by line: the set-up, what was loaded, the prompt, the answer, "demo: ok".
+DEMO_LINES = [
+    r"building a random-weight checkpoint: glm-4-9b-chat's config\.json with 2 layers of 128",
+    r"loaded ChatGLMForConditionalGeneration \(39\.1M parameters\) with transformers \S+, torch \S+",
+    r"prompt: 'Write one sentence about the sea\.' -> ids (?P<prompt>\[[\d, ]+\])",
+    r"answer: '.*' <- ids (?P<answer>\[[\d, ]+\]) \(random weights: no meaning\)",
+    r"demo: ok",
+]
+
+
+def left_behind(tmp_path) -> list:
+    """What the demo left in its temporary folder (torch's own compile cache, torchinductor_<user>, is torch's)."""
+    return sorted(path.name for path in (tmp_path / "tmp").iterdir() if not path.name.startswith("torchinductor_"))
+
+
+def demo_environment(tmp_path) -> dict:
+    """The test environment as a user's shell has it (transformers' remote-code cache not set: the demo makes its
+    own), with a temporary folder of its own, so that anything left behind shows."""
+    (tmp_path / "tmp").mkdir()
+    env = {name: value for name, value in os.environ.items() if name != "HF_MODULES_CACHE"}
+    return dict(env, HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path / "tmp"))
+
+
+def test_demo_prints_only_what_a_new_user_needs_and_leaves_nothing_behind(tmp_path):
+    """It printed torchao's "Failed to load ... _C_mxfp8 ... .so" lines and two torch warnings (transformers 5 imports
+    torchao whenever it is installed, as in this environment), transformers' "Both `max_new_tokens` (=24) and
+    `max_length`(=128000) seem to have been set" (4.x: the checkpoint's temperature/top_p with greedy search), and
+    left a chatglm-demo-modules-* folder in the temporary folder."""
+    result = subprocess.run(DEMO + ["--max-new-tokens", "5"], capture_output=True, text=True,
+                            env=demo_environment(tmp_path), timeout=600)
+    output = (result.stdout + result.stderr).splitlines()
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "loaded ChatGLMForConditionalGeneration" in result.stdout and "demo: ok" in result.stdout
-    lines = result.stdout.splitlines()
-    generated = next(line for line in lines if line.startswith("generated ids:"))
-    assert len(json.loads(generated.split(":", 1)[1])) == 5
+    assert len(output) == len(DEMO_LINES), "\n".join(output)
+    matches = [re.fullmatch(pattern, line) for pattern, line in zip(DEMO_LINES, output)]
+    assert all(matches), "\n".join(output)
+    for line in output[:-2]:  # the answer line is random words, held to its form above
+        assert not re.search(r"fail|warn|error|traceback", line, re.IGNORECASE), line
     # The shared data holds GLM-4's tokenizer.model: chat template -> ids -> generate -> decode, end to end.
-    prompt = json.loads(next(line for line in lines if line.startswith("prompt ids:")).split(":", 1)[1])
+    prompt, answer = json.loads(matches[2]["prompt"]), json.loads(matches[3]["answer"])
     assert prompt[:3] == [151331, 151333, 151336] and prompt[-1] == 151337  # [gMASK]<sop><|user|> ... <|assistant|>
-    assert any(line.startswith("generated text:") for line in lines)
+    assert len(answer) == 5
+    assert left_behind(tmp_path) == []
+
+
+def test_demo_leaves_nothing_behind_when_it_fails_or_is_stopped(tmp_path):
+    env = demo_environment(tmp_path)
+    failed = subprocess.run(DEMO + ["--model", str(tmp_path / "no-such-checkpoint")], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert failed.returncode != 0 and "no-such-checkpoint" in failed.stderr
+    assert left_behind(tmp_path) == []
+    with subprocess.Popen(DEMO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as stopped:
+        assert stopped.stdout.readline().startswith("building a random-weight checkpoint")
+        stopped.terminate()  # SIGTERM, as a service manager or `timeout` stops it
+        stopped.communicate(timeout=120)
+    assert stopped.returncode != 0
+    assert left_behind(tmp_path) == []
 
 
 def test_gpu_check_script_runs_on_a_cpu_only_machine(tmp_path):

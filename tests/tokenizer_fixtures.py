@@ -107,20 +107,15 @@ def fast_converter():
 @pytest.fixture(scope="session")
 def glm4_fast_tokenizer(tokenizer_folder_factory, fast_converter):
     """glm-4-9b-chat folder + the converter's tokenizer.json, loaded as transformers' PreTrainedTokenizerFast."""
-    from transformers import PreTrainedTokenizerFast
-
     folder = tokenizer_folder_factory("glm4", "glm4-fast")
     assert fast_converter.main([str(folder)]) == 0
-    return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return fast_converter.load_fast_tokenizer(folder)
 
 
 @pytest.fixture(scope="session")
 def chatglm3_fast_tokenizer(tokenizer_folder_factory, fast_converter):
-    """chatglm3-6b folder + the converter's tokenizer.json. chatglm3-6b's tokenizer_config.json lists four control
-    tokens as non-special, normalized added tokens; `added_tokens_decoder={}` keeps tokenizer.json's own (the README's
-    recipe)."""
-    from transformers import PreTrainedTokenizerFast
-
+    """chatglm3-6b folder + the converter's tokenizer.json, loaded as the README shows (the converter's
+    load_fast_tokenizer): tokenizer.json's own added-token flags, the unk, eos and pad tokens set after loading."""
     folder = tokenizer_folder_factory("chatglm3", "chatglm3-fast")
     assert fast_converter.main([str(folder)]) == 0
-    return PreTrainedTokenizerFast.from_pretrained(str(folder), added_tokens_decoder={})
+    return fast_converter.load_fast_tokenizer(folder)

@@ -16,10 +16,11 @@ could not be produced. GLM-4's regex splits first; 14 special tokens at 151329..
 ChatGLM3: SentencePiece's BPE over the whole text (no pre-tokenizer): a "▁" in front and every space as "▁", merges
 ordered by piece score, bytes for characters outside the vocabulary; 9 control tokens at 64789..64797, of which the
 text of "[gMASK]", "sop" (as a whole word) and the four role tokens is parsed, as ChatGLMTokenizer parses it;
-"[MASK]", "[sMASK]" and "eop" are vocabulary entries that text never produces. Unlike the slow tokenizer (and the
-original), the fast one parses the text "<unk>" and "</s>" into their ids when special-token text is
-parsed: transformers registers a fast tokenizer's unk, eos and pad tokens as added tokens, which are always matched
-(`split_special_tokens=True` keeps them as text).
+"[MASK]", "[sMASK]" and "eop" are vocabulary entries that text never produces. SentencePiece's own pieces "<unk>",
+"<s>" and "</s>" are plain vocabulary entries too, so that their text stays text as in the slow tokenizer (and the
+original), and they decode to nothing, as SentencePiece decodes them. transformers registers a fast tokenizer's
+unk, eos and pad tokens as added tokens when they are set while it loads, and a Rust tokenizer matches every added
+token in text: load the file with them set afterwards (README, "Fast tokenizers"; `load_fast_tokenizer`).
 
 Both add the `[gMASK] <sop>` prefix (ChatGLM3: `[gMASK] sop`) with add_special_tokens=True, and pairs end with the eos
 token. The merges are written in the format every tokenizers release reads (0.19, transformers 4.44, and up).
@@ -131,13 +132,14 @@ def chatglm3_tokenizer(model_path: Path) -> Tokenizer:
     vocab.update({token: sp.vocab_size() + index for index, token in enumerate(ChatGLMTokenizer.CONTROL_TOKENS)})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+    # "<unk>", "<s>" and "</s>" are no added tokens: an added token's text is parsed wherever it is typed, and the
+    # slow tokenizer keeps their text as text. SentencePiece decodes them to nothing, with or without
+    # skip_special_tokens; no other piece holds their text, so the replacements touch only them.
+    sentencepiece_pieces = [sp.id_to_piece(index) for index in range(sp.vocab_size())
+                            if sp.is_control(index) or sp.is_unknown(index)]
+    tokenizer.decoder = decoders.Sequence([*(decoders.Replace(piece, "") for piece in sentencepiece_pieces),
+                                           decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(" ", 1, 0)])
-    # The checkpoint's unk/pad ("<unk>") and eos ("</s>") are special (skipped in decoding): transformers registers
-    # them as added tokens on loading anyway. "<s>", which no ChatGLM3 config names, stays a plain vocabulary entry,
-    # so its text stays text, as in the slow tokenizer.
-    tokenizer.add_special_tokens([AddedToken(sp.id_to_piece(index), special=True, normalized=False)
-                                  for index in (sp.unk_id(), sp.eos_id())])
     return with_control_tokens(tokenizer, ChatGLMTokenizer, first_id=sp.vocab_size())
 
 
@@ -173,6 +175,22 @@ def build_fast_tokenizer(model_path) -> Tokenizer:
     """The fast tokenizer of a GLM-4 or ChatGLM3 tokenizer.model (ValueError naming the file if it is neither)."""
     model_path = Path(model_path)
     return glm4_tokenizer(model_path) if family_of(model_path) == "glm4" else chatglm3_tokenizer(model_path)
+
+
+def load_fast_tokenizer(folder):
+    """A converted folder as transformers' PreTrainedTokenizerFast, loaded as the README shows. ChatGLM3: its
+    tokenizer_config.json lists four control tokens as plain, normalized tokens (`added_tokens_decoder={}` keeps
+    tokenizer.json's flags), and its unk, eos and pad tokens are set after loading: named while loading, they become
+    added tokens, whose text is parsed wherever it is typed (the slow tokenizer keeps it as text)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    if family_of(folder / "tokenizer.model") == "glm4":
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder), added_tokens_decoder={}, unk_token=None,
+                                                        eos_token=None, pad_token=None)
+    tokenizer.unk_token, tokenizer.eos_token, tokenizer.pad_token = "<unk>", ChatGLMTokenizer.EOS_TOKEN, "<unk>"
+    return tokenizer
 
 
 def tokenizer_json(tokenizer: Tokenizer) -> bytes:
