@@ -78,6 +78,9 @@ def run_recipe(folder, family, output_dir, lora=True, device_map=None, **argumen
         from peft import LoraConfig, TaskType, get_peft_model
 
         model.enable_input_require_grads()
+        # LoRA draws its A matrices from the global generator (the Trainer seeds only later): the same seed gives every
+        # run the same adapter, whatever ran before it in the process.
+        transformers.set_seed(0)
         config = LoraConfig(task_type=TaskType.CAUSAL_LM, target_modules=LORA_TARGETS, inference_mode=False, r=8,
                             lora_alpha=32, lora_dropout=0.0)
         model = get_peft_model(model, config)
