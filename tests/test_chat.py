@@ -317,25 +317,25 @@ def test_chatglm2_stream_chat_record_and_its_follow_up_on_the_cache(chatglm2_cha
     calls = recorded_calls(monkeypatch, model, "stream_generate")
     steps = list(model.stream_chat(tokenizer, record["query"], history=record["history"],
                                    **record["round1_call_kwargs"]))
-    assert len(steps) == record["round1_n_yields"] and {len(step) for step in steps} == {3}
-    response, history, cache = steps[-1]
-    assert stream_generate_inputs(calls[0]) == record["round1_stream_generate_inputs"]
-    assert record["round1_stream_generate_inputs"]["input_ids"][0] == record["round1_build_inputs_ids"]
-    assert response == record["round1_response"]
-    assert as_lists(history) == record["round1_history_out"]
-    assert item_types(history) == record["round1_history_out_item_types"]
-    assert model.cached_tokens(cache) == record["round1_past_length"]
-
+    history, cache = assert_stream_round(model, steps, calls[0], record, "round1", "round1_build_inputs_ids",
+                                         "round1_past_length")
     steps = list(model.stream_chat(tokenizer, record["follow_up_query"], history=history, past_key_values=cache,
                                    **record["follow_up_call_kwargs"]))
-    assert len(steps) == record["follow_up_n_yields"]
+    assert_stream_round(model, steps, calls[1], record, "follow_up", "follow_up_build_stream_inputs_ids",
+                        "follow_up_past_length_after")
+
+
+def assert_stream_round(model, steps, call, record, prefix: str, prompt_field: str, past_field: str):
+    """One stream_chat round against the record's `<prefix>_...` fields; returns its history and cache."""
+    assert len(steps) == record[f"{prefix}_n_yields"] and {len(step) for step in steps} == {3}
     response, history, cache = steps[-1]
-    assert stream_generate_inputs(calls[1]) == record["follow_up_stream_generate_inputs"]
-    assert record["follow_up_stream_generate_inputs"]["input_ids"][0] == record["follow_up_build_stream_inputs_ids"]
-    assert response == record["follow_up_response"]
-    assert as_lists(history) == record["follow_up_history_out"]
-    assert item_types(history) == record["follow_up_history_out_item_types"]
-    assert model.cached_tokens(cache) == record["follow_up_past_length_after"]
+    sent = record[f"{prefix}_stream_generate_inputs"]
+    assert stream_generate_inputs(call) == sent and sent["input_ids"][0] == record[prompt_field]
+    assert response == record[f"{prefix}_response"]
+    assert as_lists(history) == record[f"{prefix}_history_out"]
+    assert item_types(history) == record[f"{prefix}_history_out_item_types"]
+    assert model.cached_tokens(cache) == record[past_field]
+    return history, cache
 
 
 def test_chatglm2_stream_chat_with_a_history_and_no_cache_sends_the_history(chatglm2_chat, chatglm2_records,
