@@ -2182,12 +2182,19 @@ class ChatMixin:
             yield (response, new_history, past_key_values) if return_past_key_values else (response, new_history)
 
     def build_inputs(self, tokenizer, query: str, history: Optional[list] = None):
-        """ChatGLM2's model inputs for `history` ((query, response) pairs) + `query` (API of chatglm2-6b's code)."""
-        return chatglm2_inputs(tokenizer, query, checked_pairs(history)).to(self.device)
+        """ChatGLM2's model inputs for `history` ((query, response) pairs) + `query` (API of chatglm2-6b's code), on
+        the device the model reads its inputs on."""
+        return self.on_input_device(chatglm2_inputs(tokenizer, query, checked_pairs(history)))
 
     def build_stream_inputs(self, tokenizer, query: str, history: Optional[list] = None):
         """ChatGLM2's next round for a cache holding `history` (API of chatglm2-6b's code; see stream_chat)."""
-        return chatglm2_stream_inputs(tokenizer, query, checked_pairs(history)).to(self.device)
+        return self.on_input_device(chatglm2_stream_inputs(tokenizer, query, checked_pairs(history)))
+
+    def on_input_device(self, inputs):
+        device = execution_device(self.transformer.embedding)
+        for name, value in inputs.items():
+            inputs[name] = device_boundary(value, device)
+        return inputs
 
     @torch.inference_mode()
     def stream_generate(self, input_ids, generation_config=None, logits_processor=None, stopping_criteria=None,

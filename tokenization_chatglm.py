@@ -1242,6 +1242,26 @@ def chatglm_family_of(vocab_file: str, requested: Optional[str] = None) -> Tuple
     return "chatglm3", evidence
 
 
+def _warn_unnamed_checkpoint(vocab_file: str) -> None:
+    # chatglm3-6b's files carry a chat template, chatglm2-6b's do not: without names either, this may be a ChatGLM2
+    # checkpoint whose names were lost (a save_pretrained drops them).
+    logger.warning(
+        f"{vocab_file}: neither tokenizer_config.json nor config.json names the model, so this is taken as ChatGLM3's "
+        "tokenizer. For a ChatGLM2 checkpoint pass chatglm_family='chatglm2' to from_pretrained (or add "
+        "\"chatglm_family\": \"chatglm2\" to tokenizer_config.json)."
+    )
+
+
+def _require_family(tokenizer, family: str, method: str, instead: str) -> None:
+    if tokenizer.chatglm_family != family:
+        names = {"chatglm2": "ChatGLM2", "chatglm3": "ChatGLM3"}
+        raise ValueError(
+            f"{method} builds {names[family]}'s prompt, but this tokenizer is {names[tokenizer.chatglm_family]}'s "
+            f"(chatglm_family={tokenizer.chatglm_family!r}, see ChatGLMTokenizer's docstring): use {instead}. If the "
+            f"checkpoint is {names[family]}, load the tokenizer with from_pretrained(..., chatglm_family={family!r})."
+        )
+
+
 def chatglm2_round(number: int, query: str, response: Optional[str] = None) -> str:
     """One round of ChatGLM2's chat prompt; without a response it ends where the model answers."""
     return f"[Round {number}]\n\n问：{query}\n\n答：" + ("" if response is None else response)
@@ -1319,13 +1339,7 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
         if self.chatglm_family == "chatglm2":
             del self.special_tokens["<unk>"]
         if evidence is None and self.chat_template is None:
-            # chatglm3-6b's files carry a chat template, chatglm2-6b's do not: this may be a ChatGLM2 checkpoint
-            # whose names were lost (a save_pretrained drops them).
-            logger.warning(
-                f"{vocab_file}: neither tokenizer_config.json nor config.json names the model, so this is taken as "
-                "ChatGLM3's tokenizer. For a ChatGLM2 checkpoint pass chatglm_family='chatglm2' to from_pretrained "
-                "(or add \"chatglm_family\": \"chatglm2\" to tokenizer_config.json)."
-            )
+            _warn_unnamed_checkpoint(vocab_file)
 
     @classmethod
     def _check_model_file(cls, vocab_file: str) -> None:
@@ -1433,7 +1447,7 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
     def build_chat_input(self, query: str, history: Optional[List[dict]] = None, role: str = "user",
                          return_tensors: Optional[str] = "pt") -> BatchEncoding:
         """ChatGLM3 prompt for `history` + (`role`, `query`), ending with `<|assistant|>` (API of the original)."""
-        self._require_family("chatglm3", "build_chat_input", "build_prompt(query, history) or model.build_inputs")
+        _require_family(self, "chatglm3", "build_chat_input", "build_prompt(query, history) or model.build_inputs")
         if role not in _CHATGLM3_ROLES:
             raise ValueError(f"role={role!r} is not a ChatGLM3 role ({', '.join(_CHATGLM3_ROLES)})")
         if not isinstance(query, str):
@@ -1467,7 +1481,7 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
     def build_prompt(self, query: str, history: Optional[List[Tuple[str, str]]] = None) -> str:
         """ChatGLM2's prompt text: each (query, response) pair of `history` as a round, then `query`'s round ending
         with "答：" (API of the original chatglm2-6b tokenizer; `tokenizer([prompt])` gives the model inputs)."""
-        self._require_family("chatglm2", "build_prompt", "build_chat_input(query, history) or apply_chat_template")
+        _require_family(self, "chatglm2", "build_prompt", "build_chat_input(query, history) or apply_chat_template")
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
         history = _chatglm2_pairs(history or [], "history")
@@ -1475,12 +1489,3 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
                 for number, (old_query, response) in enumerate(history, 1)]
         return "".join(past) + chatglm2_round(len(history) + 1, query)
 
-    def _require_family(self, family: str, method: str, instead: str) -> None:
-        if self.chatglm_family != family:
-            names = {"chatglm2": "ChatGLM2", "chatglm3": "ChatGLM3"}
-            raise ValueError(
-                f"{method} builds {names[family]}'s prompt, but this tokenizer is {names[self.chatglm_family]}'s "
-                f"(chatglm_family={self.chatglm_family!r}, see ChatGLMTokenizer's docstring): use {instead}. If the "
-                f"checkpoint is {names[family]}, load the tokenizer with from_pretrained(..., "
-                f"chatglm_family={family!r})."
-            )
