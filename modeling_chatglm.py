@@ -2191,6 +2191,7 @@ class ChatMixin:
         return self.on_input_device(chatglm2_stream_inputs(tokenizer, query, checked_pairs(history)))
 
     def on_input_device(self, inputs):
+        """`inputs` (a tokenizer's output) moved to where the model reads its input ids (the embedding's device)."""
         device = execution_device(self.transformer.embedding)
         for name, value in inputs.items():
             inputs[name] = device_boundary(value, device)

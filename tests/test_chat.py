@@ -388,13 +388,13 @@ class OriginalChatGLM2Tokenizer:
 def test_chatglm2_chat_with_the_original_tokenizer_is_chatglm2s(chatglm2_chat, chatglm2_records):
     model, tokenizer = chatglm2_chat
     record = next(r for r in chatglm2_records if r.get("scenario") == "chat_call")
-    assert model.chat(OriginalChatGLM2Tokenizer(tokenizer), record["query"], **record["call_kwargs"]) == \
-        model.chat(tokenizer, record["query"], **record["call_kwargs"])
+    response, history = model.chat(OriginalChatGLM2Tokenizer(tokenizer), record["query"], **record["call_kwargs"])
+    assert response == record["response"] and as_lists(history) == record["history_out"]
 
 
 @pytest.mark.parametrize("call, message", [
     (dict(history=[{"role": "user", "content": "你好"}]), r"history\[0\].*\(query, response\) pair"),
-    (dict(history=[("你好", "你好！", "extra")]), r"history\[0\]"),
+    (dict(history=[("你好", "你好！", "extra")]), r"history\[0\] must be a \(query, response\) pair"),
     (dict(history=[], role="system"), r"role='system'.*no roles"),
 ])
 def test_chatglm2_chat_names_what_it_cannot_take(chatglm2_chat, call, message):
