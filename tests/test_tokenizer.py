@@ -1370,6 +1370,21 @@ def test_chatglm2_form_survives_save_pretrained(chatglm2_tokenizer, tmp_path):
     assert reloaded.encode("[gMASK]sop你好") == chatglm2_tokenizer.encode("[gMASK]sop你好")
 
 
+def test_chatglm2_tokenization_file_copied_alone(tmp_path, chatglm2_records):
+    """Only our tokenization_chatglm.py in chatglm2-6b's folder (its tokenizer_config.json and config.json, no other
+    code file of ours): chatglm2-6b's tokenizer, its ids and prompt."""
+    folder = make_chatglm2_folder(tmp_path / "checkpoint")
+    for name in conftest.CODE_FILES:
+        if name != "tokenization_chatglm.py":
+            (folder / name).unlink(missing_ok=True)
+    tok = load_tokenizer(folder)
+    assert (tok.chatglm_family, tok.vocab_size) == ("chatglm2", meta(chatglm2_records)["vocab_size"])
+    record = next(r for r in of_kind(chatglm2_records, "encode") if "special_spellings_in_text" in r)
+    assert tok.encode(record["text"]) == record["ids_special"]
+    chat = next(r for r in of_kind(chatglm2_records, "chat") if r.get("history"))
+    assert tok([tok.build_prompt(chat["query"], chat["history"])])["input_ids"] == chat["build_inputs"]["input_ids"]
+
+
 def test_chatglm_family_that_does_not_exist_is_named(tmp_path):
     with pytest.raises(ValueError, match="chatglm_family='glm4'.*'chatglm2'.*'chatglm3'"):
         load_tokenizer(make_chatglm2_folder(tmp_path / "checkpoint"), chatglm_family="glm4")
