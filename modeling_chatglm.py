@@ -27,6 +27,8 @@ Where to change what (section: names):
   GLM-4V images                 visual.py: `EVA2CLIPModel.splice` (the seam); here `vision_tower`, `enter_vision`
   a chat-template fix           tokenization_chatglm.py (this file only calls the tokenizer); chat() itself:
                                 Chat, `ChatMixin`, `chat_inputs`, `parse_tool_call`
+  a chat format (ChatGLM2's)    Chat: `chat_format` (the one choice, from the tokenizer), `RoleChat`,
+                                `ChatGLM2Chat`
   loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
   tensor parallelism            parallel_chatglm.py
 """
@@ -2131,7 +2133,8 @@ def enter_vision(model: "ChatGLMModel", input_ids, inputs_embeds, images, positi
 
 
 # ======================================================================================================================
-# Chat helpers: ChatGLM3's chat API (chat, stream_chat, stream_generate, process_response) and quantize()
+# Chat helpers: the chat API of ChatGLM3 (and GLM-4) and of ChatGLM2 (chat, stream_chat, stream_generate,
+# process_response, ChatGLM2's build_inputs / build_stream_inputs) and quantize(). `chat_format` picks the format.
 # ======================================================================================================================
 
 
@@ -2158,7 +2161,8 @@ def checked_history(history) -> list:
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(
                 f"history[{index}] must be a dict with 'role' and 'content' (ChatGLM3's format, as chat() returns "
-                f"it), got {message!r}. ChatGLM2's (query, response) pairs are not this model's chat format."
+                f"it), got {message!r}. (query, response) pairs are ChatGLM2's format: for a ChatGLM2 checkpoint "
+                "load its tokenizer as ChatGLM2's, AutoTokenizer.from_pretrained(..., chatglm_family='chatglm2')."
             )
         if message["role"] not in CHAT_ROLES:
             raise ValueError(f"history[{index}] has role {message['role']!r}; the roles are {', '.join(CHAT_ROLES)}.")
@@ -2190,6 +2194,92 @@ def chat_inputs(tokenizer, query: str, history: list, role: str, continuing: boo
     return dict(inputs)
 
 
+def checked_pairs(history) -> list:
+    """A copy of a ChatGLM2 chat history: a list of (query, response) pairs, as ChatGLM2's chat() returns it."""
+    if history is None:
+        return []
+    if not isinstance(history, (list, tuple)):
+        raise ValueError(f"history must be a list of (query, response) pairs, got {type(history).__name__}.")
+    for index, pair in enumerate(history):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise ValueError(
+                f"history[{index}] must be a (query, response) pair of str (ChatGLM2's format, as its chat() returns "
+                f"it), got {pair!r:.100}. Role messages are ChatGLM3's format, which a ChatGLM2 tokenizer cannot "
+                "encode."
+            )
+    return list(history)
+
+
+def chatglm2_inputs(tokenizer, query: str, history: list):
+    """ChatGLM2's prompt as model inputs: `tokenizer.build_prompt`'s rounds after [gMASK] sop (its build_inputs)."""
+    build_prompt = getattr(tokenizer, "build_prompt", None)
+    if build_prompt is None:
+        raise ValueError(f"ChatGLM2's prompt comes from tokenizer.build_prompt, which {type(tokenizer).__name__} does "
+                         "not have: pass the ChatGLM2 checkpoint's tokenizer.")
+    return tokenizer([build_prompt(query, history=history)], return_tensors="pt")
+
+
+def chatglm2_stream_inputs(tokenizer, query: str, history: list):
+    """ChatGLM2's next round for a cache that holds the earlier ones (its build_stream_inputs): the round's text
+    after a blank line, without [gMASK] sop and without SentencePiece's leading "▁"; positions from 0 (stream_chat
+    puts them after the cache). Without a history, the whole prompt."""
+    if not history:
+        return chatglm2_inputs(tokenizer, query, history)
+    ids = tokenizer.encode(f"\n\n[Round {len(history) + 1}]\n\n问：{query}\n\n答：", add_special_tokens=False)[1:]
+    return tokenizer.pad({"input_ids": [ids]}, return_tensors="pt")
+
+
+class RoleChat:
+    """ChatGLM3's chat, and GLM-4's through its chat template: a history of role messages, stops at the end of text
+    or where the model hands the turn back, answers (and tool calls) read by process_response."""
+
+    checked_history = staticmethod(checked_history)
+    inputs = staticmethod(chat_inputs)
+    stop_ids = staticmethod(chat_stop_ids)
+
+    @staticmethod
+    def reply(model, text: str, history: list, query: str, role: str):
+        return model.process_response(text, history + [{"role": role, "content": query}])
+
+
+class ChatGLM2Chat:
+    """ChatGLM2's chat: a history of (query, response) pairs, build_prompt's rounds, stops at the end of text, the
+    answer stripped by process_response(text)."""
+
+    checked_history = staticmethod(checked_pairs)
+
+    @staticmethod
+    def inputs(tokenizer, query: str, history: list, role: str, continuing: bool = False) -> dict:
+        if role != "user":
+            raise ValueError(f"role={role!r}: ChatGLM2's chat has no roles (each round is a user query and the "
+                             "answer); leave role at 'user'.")
+        if not isinstance(query, str):
+            raise ValueError(f"query must be a str, got {type(query).__name__}.")
+        build = chatglm2_stream_inputs if continuing else chatglm2_inputs
+        return dict(build(tokenizer, query, history))
+
+    @staticmethod
+    def stop_ids(tokenizer) -> list:
+        return [tokenizer.eos_token_id]
+
+    @staticmethod
+    def reply(model, text: str, history: list, query: str, role: str):
+        response = model.process_response(text)
+        return response, history + [(query, response)]
+
+
+def chat_format(tokenizer):
+    """The chat format of a tokenizer, the one place chat() and stream_chat() choose it: ChatGLM2's for a ChatGLM2
+    tokenizer (ours with `chatglm_family == "chatglm2"`, or chatglm2-6b's original, which has build_prompt and no
+    build_chat_input), else ChatGLM3's role messages (GLM-4's chat template included)."""
+    family = getattr(tokenizer, "chatglm_family", None)
+    if family == "chatglm2" or (
+        family is None and hasattr(tokenizer, "build_prompt") and not hasattr(tokenizer, "build_chat_input")
+    ):
+        return ChatGLM2Chat
+    return RoleChat
+
+
 def parse_tool_call(content: str) -> Optional[dict]:
     """The arguments of a tool call, read without evaluating model output (the original ran `eval` on it):
     ChatGLM3's ```` ```python\\ntool_call(name=value, ...)\\n``` ```` block, or GLM-4's JSON object. None when the
@@ -2214,12 +2304,15 @@ def parse_tool_call(content: str) -> Optional[dict]:
 
 class ChatMixin:
     """`model.chat(tokenizer, "你好", history=[])` and friends, with the signatures, defaults and history format of
-    chatglm3-6b's remote code; GLM-4 checkpoints get them too, through their chat template."""
+    chatglm3-6b's remote code; GLM-4 checkpoints get them too, through their chat template. With a ChatGLM2
+    tokenizer they are chatglm2-6b's: (query, response) history, `build_inputs`, `build_stream_inputs`."""
 
-    def process_response(self, output: str, history: list):
-        """Split a decoded answer into the assistant messages it holds; returns (content, history). The content is
-        the text, or for a tool call {"name", "parameters"} when the conversation declared tools (else
-        {"name", "content"})."""
+    def process_response(self, output: str, history: Optional[list] = None):
+        """ChatGLM3: split a decoded answer into the assistant messages it holds; returns (content, history). The
+        content is the text, or for a tool call {"name", "parameters"} when the conversation declared tools (else
+        {"name", "content"}). ChatGLM2's call, without a history: the answer stripped, "[[训练时间]]" as 2023年."""
+        if history is None:
+            return output.strip().replace("[[训练时间]]", "2023年")
         content = ""
         history = copy.deepcopy(history)
         for response in output.split("<|assistant|>"):
@@ -2243,16 +2336,16 @@ class ChatMixin:
              max_length: int = 8192, num_beams=1, do_sample=True, top_p=0.8, temperature=0.8, logits_processor=None,
              **kwargs):
         """One chat turn; returns (response, history). The caller's history list is not modified."""
-        history = checked_history(history)
-        inputs = chat_inputs(tokenizer, query, history, role)
-        stop_ids = chat_stop_ids(tokenizer)
+        chat = chat_format(tokenizer)
+        history = chat.checked_history(history)
+        inputs = chat.inputs(tokenizer, query, history, role)
+        stop_ids = chat.stop_ids(tokenizer)
         outputs = self.generate(
             **inputs, max_length=max_length, num_beams=num_beams, do_sample=do_sample, top_p=top_p,
             temperature=temperature, logits_processor=guarded(logits_processor), eos_token_id=stop_ids, **kwargs,
         )
         response = tokenizer.decode(answer_ids(outputs[0], inputs["input_ids"].shape[1], stop_ids))
-        history.append({"role": role, "content": query})
-        return self.process_response(response, history)
+        return chat.reply(self, response, history, query, role)
 
     @torch.inference_mode()
     def stream_chat(self, tokenizer, query: str, history: Optional[list] = None, role: str = "user",
@@ -2260,17 +2353,18 @@ class ChatMixin:
                     logits_processor=None, return_past_key_values=False, **kwargs):
         """chat() that yields (response, history) as the answer grows (whole characters only), with the cache as a
         third item when `return_past_key_values`; pass that cache back to continue the conversation without
-        recomputing it."""
-        history = checked_history(history)
-        inputs = chat_inputs(tokenizer, query, history, role, continuing=past_key_values is not None)
+        recomputing it. ChatGLM2: with a history and no cache the whole prompt is sent (the original sent only the
+        last round when return_past_key_values was set, dropping the history)."""
+        chat = chat_format(tokenizer)
+        history = chat.checked_history(history)
+        inputs = chat.inputs(tokenizer, query, history, role, continuing=past_key_values is not None)
         if past_key_values is not None:
             past_key_values = as_cache(past_key_values)
             past_length = self.cached_tokens(past_key_values)
             inputs.pop("position_ids", None)  # the new turn continues after the cache: positions follow the mask
             mask = inputs["attention_mask"]
             inputs["attention_mask"] = torch.cat([mask.new_ones(mask.shape[0], past_length), mask], dim=1)
-        history.append({"role": role, "content": query})
-        stop_ids = chat_stop_ids(tokenizer)
+        stop_ids = chat.stop_ids(tokenizer)
         prompt_length = inputs["input_ids"].shape[1]
         response, shown = "", None
         for step in self.stream_generate(
@@ -2281,12 +2375,28 @@ class ChatMixin:
             ids, past_key_values = step
             text = tokenizer.decode(answer_ids(ids[0], prompt_length, stop_ids))
             if text and not text.endswith("\ufffd"):  # a character still incomplete waits for its next bytes
-                response, new_history = self.process_response(text, history)
+                response, new_history = chat.reply(self, text, history, query, role)
                 shown = text
                 yield (response, new_history, past_key_values) if return_past_key_values else (response, new_history)
         if shown != text:  # the last text, even if it ends in U+FFFD
-            response, new_history = self.process_response(text, history)
+            response, new_history = chat.reply(self, text, history, query, role)
             yield (response, new_history, past_key_values) if return_past_key_values else (response, new_history)
+
+    def build_inputs(self, tokenizer, query: str, history: Optional[list] = None):
+        """ChatGLM2's model inputs for `history` ((query, response) pairs) + `query` (API of chatglm2-6b's code), on
+        the device the model reads its inputs on."""
+        return self.on_input_device(chatglm2_inputs(tokenizer, query, checked_pairs(history)))
+
+    def build_stream_inputs(self, tokenizer, query: str, history: Optional[list] = None):
+        """ChatGLM2's next round for a cache holding `history` (API of chatglm2-6b's code; see stream_chat)."""
+        return self.on_input_device(chatglm2_stream_inputs(tokenizer, query, checked_pairs(history)))
+
+    def on_input_device(self, inputs):
+        """`inputs` (a tokenizer's output) moved to where the model reads its input ids (the embedding's device)."""
+        device = execution_device(self.transformer.embedding)
+        for name, value in inputs.items():
+            inputs[name] = device_boundary(value, device)
+        return inputs
 
     @torch.inference_mode()
     def stream_generate(self, input_ids, generation_config=None, logits_processor=None, stopping_criteria=None,

@@ -1,7 +1,7 @@
-"""Tokenizers of GLM-4 (`ChatGLM4Tokenizer`) and ChatGLM3 (`ChatGLMTokenizer`).
+"""Tokenizers of GLM-4 (`ChatGLM4Tokenizer`) and ChatGLM3 / ChatGLM2 (`ChatGLMTokenizer`).
 
-This file replaces the `tokenization_chatglm.py` of a downloaded glm-4-9b-chat / glm-4-9b / glm-4-9b-chat-1m or
-chatglm3-6b checkpoint: copy it over the original and load the folder as before,
+This file replaces the `tokenization_chatglm.py` of a downloaded glm-4-9b-chat / glm-4-9b / glm-4-9b-chat-1m,
+chatglm3-6b or chatglm2-6b checkpoint: copy it over the original and load the folder as before,
 `AutoTokenizer.from_pretrained(folder, trust_remote_code=True)`. The folder's own `tokenizer.model` and
 `tokenizer_config.json` are used unchanged. It runs on transformers 4.44 up to 5.x.
 
@@ -35,12 +35,18 @@ Token ids are the originals' wherever the originals were right. What differs, on
   `position_ids`.
 * A pair encodes as `[gMASK] <sop> A B <eos>` (GLM-4 raised KeyError('<eos>')).
 * ChatGLM3: `len(tokenizer) == vocab_size == 64798`, and all 9 control tokens are special tokens.
+* ChatGLM2 (chatglm2-6b ships the same tokenizer.model and class name): `ChatGLMTokenizer` takes the original
+  chatglm2-6b tokenizer's form when the checkpoint's files name chatglm2 or `chatglm_family="chatglm2"` is passed
+  (`chatglm_family_of`): 5 control tokens (vocab_size 64794), special-token text always stays text, control tokens
+  and <unk>/<s>/</s> decode to "", `build_prompt` and ChatGLM2's rounds as its chat format. Fixed there:
+  `len(tokenizer) == vocab_size`, ids past the vocabulary decode to "" (the original raised IndexError), right
+  padding, `return_attention_mask=False`.
 * GLM-4 encodes whitespace runs of any length (tiktoken's regex engine gives up on about a million blanks).
 * A missing or damaged `tokenizer.model` raises an error naming the file (and, for GLM-4's text file, the line);
   a file that reads well but differs from the released one logs a warning. Text that is not a `str` raises TypeError.
 
 Sections, in order: transformers compatibility; helpers shared by both tokenizers; shared tokenizer logic (one mixin
-per concern, combined in `_GLMTokenizerBase`); GLM-4V images; GLM-4; ChatGLM3.
+per concern, combined in `_GLMTokenizerBase`); GLM-4V images; GLM-4; ChatGLM3 (with ChatGLM2's form).
 
 Where to change what (section: names):
   a chat-template fix           GLM-4: `_GLM4_CHAT_TEMPLATE` (used when a checkpoint has none),
@@ -50,6 +56,7 @@ Where to change what (section: names):
   special-token parsing         Shared tokenizer logic: `_SpecialTokenParsing` (`tokenize`, `split_special_tokens`)
   padding, position ids, pairs  Shared tokenizer logic: `_SequenceLayout` (`_pad`, `build_inputs_with_special_tokens`)
   decode                        Shared tokenizer logic: `_Decoding`; each family's `_decode_run`
+  ChatGLM2 or ChatGLM3          ChatGLM3: `chatglm_family_of` (the rule), `CHATGLM2_FORM`, `build_prompt`
   a new checkpoint variant      the family's section: GLM-4 `read_tiktoken_ranks` (tokenizer.model's ranks),
                                 ChatGLM3 `_SentencePieceModel`; the vocabulary checks `_check_unfamiliar_ranks`
   GLM-4V images                 GLM-4V: `_ChatImages`, `image_to_pixels`
@@ -498,7 +505,10 @@ class _Decoding:
                 spaces_between_special_tokens=None, **kwargs) -> str:
         # `spaces_between_special_tokens` is accepted for compatibility and ignored: decode never adds text.
         token_ids = _checked_token_ids(token_ids)
-        skipped = (set(self.all_special_ids) | set(self._control_by_id)) if skip_special_tokens else set()
+        if skip_special_tokens:
+            skipped = set(self.all_special_ids) | set(self._control_by_id)
+        else:
+            skipped = set(self._control_by_id) if self.CONTROL_TOKENS_DECODE_EMPTY else set()
         added = self._added_tokens_decoder
         reserved = self._reserved_ids()
         parts: List[str] = []
@@ -644,6 +654,10 @@ class _GLMTokenizerBase(_ChatRendering, _Decoding, _SequenceLayout, _SpecialToke
     EXPECTED_FILE = ""
     # Whether a token removed by skip_special_tokens still separates the decoding of the pieces around it.
     SKIPPED_TOKEN_ENDS_RUN = False
+    # Whether the control tokens are registered as special tokens (all_special_tokens, skip_special_tokens), and
+    # whether they decode to "" even without skip_special_tokens (ChatGLM2's form: they have no text).
+    CONTROL_TOKENS_ARE_SPECIAL = True
+    CONTROL_TOKENS_DECODE_EMPTY = False
 
     def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False,
                  split_special_tokens=False, **kwargs):
@@ -657,7 +671,8 @@ class _GLMTokenizerBase(_ChatRendering, _Decoding, _SequenceLayout, _SpecialToke
         self._split_patterns: Dict[tuple, Optional[re.Pattern]] = {}
         # Every control token is a special token (skipped by skip_special_tokens, listed in all_special_tokens).
         # transformers 5 renamed additional_special_tokens to extra_special_tokens; it converts the old name.
-        if kwargs.get("additional_special_tokens") is None and kwargs.get("extra_special_tokens") is None:
+        if self.CONTROL_TOKENS_ARE_SPECIAL and kwargs.get("additional_special_tokens") is None \
+                and kwargs.get("extra_special_tokens") is None:
             kwargs["additional_special_tokens"] = list(self.CONTROL_TOKENS)
         super().__init__(
             padding_side=padding_side,
@@ -1172,8 +1187,122 @@ class _SentencePieceModel:
         return self.sp_model.decode([index for index in ids if 0 <= index < self.n_words and index not in control])
 
 
+# ---- ChatGLM2 (chatglm2-6b): the same class, in the original chatglm2-6b tokenizer's form ------------------------
+# chatglm2-6b ships chatglm3-6b's tokenizer.model (same sha256) and names `ChatGLMTokenizer` in its auto_map, so the
+# files beside the model decide which form a ChatGLMTokenizer takes (`chatglm_family_of`). ChatGLM2's form: five
+# control tokens (vocab_size 64794), none of them parsed from text, all decoding to "" (as do <unk>, <s>, </s>), none
+# registered as a special token, no role tokens; its chat prompt is `build_prompt`'s rounds.
+
+CHATGLM_FAMILIES = ("chatglm2", "chatglm3")
+CHATGLM2_FORM = {
+    "CONTROL_TOKENS": ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop"),
+    "PARSED_CONTROL_TOKENS": (),
+    "WHOLE_WORD_CONTROL_TOKENS": (),
+    "SKIPPED_TOKEN_ENDS_RUN": False,  # a control token vanishes from decoded text without splitting it
+    "CONTROL_TOKENS_ARE_SPECIAL": False,
+    "CONTROL_TOKENS_DECODE_EMPTY": True,
+}
+
+
+def _json_field(path: str, key: str):
+    """`key` of a JSON object file, or None when the file is missing or unreadable (it is only a hint here)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return data.get(key) if isinstance(data, dict) else None
+
+
+def chatglm_family_of(vocab_file: str, requested: Optional[str] = None) -> Tuple[str, Optional[str]]:
+    """Which checkpoint a ChatGLMTokenizer serves, "chatglm2" or "chatglm3", and the evidence (None: nothing said).
+
+    The first rule that applies decides:
+    1. `chatglm_family` passed to `from_pretrained` or written in tokenizer_config.json (save_pretrained writes it
+       for ChatGLM2, so the form survives a save, which drops the names below).
+    2. "chatglm2" when tokenizer_config.json's `name_or_path` or config.json's `_name_or_path` (the files beside
+       tokenizer.model) contains "chatglm2", in any case: chatglm2-6b's files say "THUDM/chatglm2-6b".
+    3. "chatglm3".
+    """
+    if requested is not None:
+        if requested not in CHATGLM_FAMILIES:
+            raise ValueError(f"chatglm_family={requested!r}: ChatGLMTokenizer serves 'chatglm2' (chatglm2-6b) or "
+                             "'chatglm3' (chatglm3-6b); pass one of them, or leave it out to read it from the files.")
+        return requested, "chatglm_family"
+    if not isinstance(vocab_file, (str, os.PathLike)):
+        return "chatglm3", None  # no file: the tokenizer's own check names what is missing
+    folder = os.path.dirname(os.path.abspath(vocab_file))
+    evidence = None
+    for file_name, key in (("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path")):
+        name = _json_field(os.path.join(folder, file_name), key)
+        if isinstance(name, str) and name:
+            if "chatglm2" in name.lower():
+                return "chatglm2", f"{file_name}: {key} {name!r}"
+            evidence = evidence or f"{file_name}: {key} {name!r}"
+    return "chatglm3", evidence
+
+
+def _warn_unnamed_checkpoint(vocab_file: str) -> None:
+    # chatglm3-6b's files carry a chat template, chatglm2-6b's do not: without names either, this may be a ChatGLM2
+    # checkpoint whose names were lost (a save_pretrained drops them).
+    logger.warning(
+        f"{vocab_file}: neither tokenizer_config.json nor config.json names the model, so this is taken as ChatGLM3's "
+        "tokenizer. For a ChatGLM2 checkpoint pass chatglm_family='chatglm2' to from_pretrained (or add "
+        "\"chatglm_family\": \"chatglm2\" to tokenizer_config.json)."
+    )
+
+
+def _require_family(tokenizer, family: str, method: str, instead: str) -> None:
+    if tokenizer.chatglm_family != family:
+        names = {"chatglm2": "ChatGLM2", "chatglm3": "ChatGLM3"}
+        raise ValueError(
+            f"{method} builds {names[family]}'s prompt, but this tokenizer is {names[tokenizer.chatglm_family]}'s "
+            f"(chatglm_family={tokenizer.chatglm_family!r}, see ChatGLMTokenizer's docstring): use {instead}. If the "
+            f"checkpoint is {names[family]}, load the tokenizer with from_pretrained(..., chatglm_family={family!r})."
+        )
+
+
+def chatglm2_round(number: int, query: str, response: Optional[str] = None) -> str:
+    """One round of ChatGLM2's chat prompt; without a response it ends where the model answers."""
+    return f"[Round {number}]\n\n问：{query}\n\n答：" + ("" if response is None else response)
+
+
+def _chatglm2_pairs(history, name: str) -> List[Tuple[str, str]]:
+    if not isinstance(history, (list, tuple)):
+        raise ValueError(f"{name} must be a list of (query, response) pairs, got {type(history).__name__}")
+    for index, pair in enumerate(history):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise ValueError(f"{name}[{index}] must be a (query, response) pair of str (ChatGLM2's history, as its "
+                             f"chat() returns it), got {pair!r:.100}")
+    return [tuple(pair) for pair in history]
+
+
+def _chatglm2_rounds_of(messages, name: str) -> List[str]:
+    """A conversation of alternating user / assistant messages as ChatGLM2 rounds (the last may be unanswered)."""
+    rounds = []
+    for index, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content") or ""
+        expected = "user" if index % 2 == 0 else "assistant"
+        if role != expected:
+            raise ValueError(f"{name}[{index}] has role {role!r} where ChatGLM2's prompt needs {expected!r}: it holds "
+                             "only rounds of a user query and the assistant's answer (no system or tool messages)")
+        if not isinstance(content, str):
+            raise TypeError(f"{name}[{index}]: 'content' must be str")
+        if role == "user":
+            rounds.append((content, None))
+        else:
+            rounds[-1] = (rounds[-1][0], content)
+    return [chatglm2_round(number, query, response) for number, (query, response) in enumerate(rounds, 1)]
+
+
 class ChatGLMTokenizer(_GLMTokenizerBase):
-    """ChatGLM3 tokenizer: SentencePiece (64789 pieces) plus 9 control tokens at ids 64789..64797."""
+    """ChatGLM3 tokenizer: SentencePiece (64789 pieces) plus 9 control tokens at ids 64789..64797; for a ChatGLM2
+    checkpoint, the original chatglm2-6b tokenizer (5 control tokens, 64789..64793, see CHATGLM2_FORM).
+
+    Which one: `chatglm_family_of` ("chatglm2" when the checkpoint's tokenizer_config.json or config.json names
+    chatglm2, else "chatglm3"); `from_pretrained(..., chatglm_family="chatglm2")` or the same key in
+    tokenizer_config.json chooses explicitly. The choice is the attribute `chatglm_family`.
+    """
 
     CONTROL_TOKENS = (
         "[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
@@ -1190,15 +1319,27 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
     EOS_TOKEN = "</s>"
     EXPECTED_FILE = "ChatGLM3's SentencePiece model"
 
-    def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False, **kwargs):
+    def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False, chatglm_family=None,
+                 **kwargs):
+        self.chatglm_family, evidence = chatglm_family_of(vocab_file, chatglm_family)
+        if self.chatglm_family == "chatglm2":
+            for name, value in CHATGLM2_FORM.items():
+                setattr(self, name, value)
+        if chatglm_family is not None or self.chatglm_family == "chatglm2":
+            kwargs["chatglm_family"] = self.chatglm_family  # kept in init_kwargs: save_pretrained writes it
         kwargs.setdefault("eos_token", self.EOS_TOKEN)
         kwargs.setdefault("unk_token", "<unk>")
         kwargs.setdefault("pad_token", "<unk>")
         super().__init__(vocab_file, padding_side=padding_side,
                          clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
-        # The original's `special_tokens` attribute: SentencePiece's own control pieces by name.
-        self.special_tokens = {"<bos>": self.tokenizer.bos_id, "<eos>": self.tokenizer.eos_id,
-                               "<unk>": self.tokenizer.pad_id, "<pad>": self.tokenizer.pad_id}
+        # The original's `special_tokens` attribute: SentencePiece's own control pieces by name (ChatGLM2's has no
+        # "<unk>").
+        sp = self.tokenizer
+        self.special_tokens = {"<bos>": sp.bos_id, "<eos>": sp.eos_id, "<unk>": sp.pad_id, "<pad>": sp.pad_id}
+        if self.chatglm_family == "chatglm2":
+            del self.special_tokens["<unk>"]
+        if evidence is None and self.chat_template is None:
+            _warn_unnamed_checkpoint(vocab_file)
 
     @classmethod
     def _check_model_file(cls, vocab_file: str) -> None:
@@ -1233,6 +1374,17 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
 
     def _base_id_to_token(self, index: int) -> str:
         return self.tokenizer.sp_model.id_to_piece(index) if 0 <= index < self.tokenizer.n_words else ""
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
+        if not self.CONTROL_TOKENS_DECODE_EMPTY:
+            return super().convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+        # ChatGLM2's form: the control tokens and <unk>, <s>, </s> have no token text (the original's tokens; ahead
+        # of transformers' table, where it registers </s> and <unk>).
+        reserved, convert = self._reserved_ids(), super().convert_ids_to_tokens
+        if isinstance(ids, numbers.Integral):
+            return "" if int(ids) in reserved else convert(int(ids))
+        skipped = set(self.all_special_ids) if skip_special_tokens else set()
+        return ["" if int(index) in reserved else convert(int(index)) for index in ids if int(index) not in skipped]
 
     def _encode_text(self, text: str) -> List[int]:
         return self.tokenizer.encode(text)
@@ -1295,6 +1447,7 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
     def build_chat_input(self, query: str, history: Optional[List[dict]] = None, role: str = "user",
                          return_tensors: Optional[str] = "pt") -> BatchEncoding:
         """ChatGLM3 prompt for `history` + (`role`, `query`), ending with `<|assistant|>` (API of the original)."""
+        _require_family(self, "chatglm3", "build_chat_input", "build_prompt(query, history) or model.build_inputs")
         if role not in _CHATGLM3_ROLES:
             raise ValueError(f"role={role!r} is not a ChatGLM3 role ({', '.join(_CHATGLM3_ROLES)})")
         if not isinstance(query, str):
@@ -1305,13 +1458,34 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
 
     def _uses_builtin_chat_format(self, chat_template: Optional[str]) -> bool:
         template = self.chat_template if chat_template is None else chat_template
+        if self.chatglm_family == "chatglm2":
+            return template is None
         return template is None or (
             isinstance(template, str)
             and hashlib.sha256(template.encode("utf-8")).hexdigest() == _CHATGLM3_STOCK_TEMPLATE_SHA256
         )
 
     def _builtin_chat_text(self, conversation, add_generation_prompt: bool) -> str:
+        if self.chatglm_family == "chatglm2":
+            # ChatGLM2's rounds; the last user message's round ends with "答：" (the format has no other marker).
+            return "\n\n".join(_chatglm2_rounds_of(conversation, "conversation"))
         return self._text_of_turns(self._turns(conversation, "conversation"), add_generation_prompt)
 
     def _builtin_chat_ids(self, conversation, add_generation_prompt: bool) -> List[int]:
+        if self.chatglm_family == "chatglm2":  # as build_inputs encodes build_prompt's text
+            return self.encode(self._builtin_chat_text(conversation, add_generation_prompt))
         return self._ids_of_turns(self._turns(conversation, "conversation"), add_generation_prompt)
+
+    # ---- ChatGLM2 chat format ------------------------------------------------------------------------------------
+
+    def build_prompt(self, query: str, history: Optional[List[Tuple[str, str]]] = None) -> str:
+        """ChatGLM2's prompt text: each (query, response) pair of `history` as a round, then `query`'s round ending
+        with "答：" (API of the original chatglm2-6b tokenizer; `tokenizer([prompt])` gives the model inputs)."""
+        _require_family(self, "chatglm2", "build_prompt", "build_chat_input(query, history) or apply_chat_template")
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a str, got {type(query).__name__}")
+        history = _chatglm2_pairs(history or [], "history")
+        past = [chatglm2_round(number, old_query, response) + "\n\n"
+                for number, (old_query, response) in enumerate(history, 1)]
+        return "".join(past) + chatglm2_round(len(history) + 1, query)
+

@@ -1,11 +1,16 @@
 """ChatGLM3's chat API (chat, stream_chat, stream_generate, process_response) and quantize(), on tiny random models
-whose vocabularies cover the real tokenizers."""
+whose vocabularies cover the real tokenizers; ChatGLM2's chat API against the original's (tokvec/chatglm2.jsonl)."""
+import inspect
+import json
+import shutil
 import sys
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import REAL_VOCABULARY, optional_package
+from conftest import REAL_VOCABULARY, optional_package, shared_path
+from tokenizer_fixtures import chatglm2_params, load_tokenizer, make_chatglm2_folder, make_tokenizer_folder
 
 TOKENIZER = {"chatglm3": "chatglm3_tokenizer", "glm4": "glm4_tokenizer"}
 GREEDY = dict(do_sample=False, max_length=None, max_new_tokens=12)
@@ -213,3 +218,201 @@ def test_torch_ao_dynamic_int8_generate_equals_the_cached_greedy_loop(tiny_model
             past, chosen = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
             tokens = torch.cat([tokens, chosen], dim=1)
     assert torch.equal(generated, tokens)
+
+
+# ---- ChatGLM2 (chatglm2-6b): its chat API with its own tokenizer (tokvec/chatglm2.jsonl) ----
+
+
+@pytest.fixture(scope="module")
+def chatglm2_chat(tmp_path_factory, chatglm2_records):
+    """(model, tokenizer) of a chatglm2-6b folder as users have it, holding the tiny random model the chat records
+    were made with (tokvec FORMAT.md, chatglm2.jsonl: the records' `tiny_model`): same config, same draws."""
+    specs = [r["tiny_model"] for r in chatglm2_records if "tiny_model" in r]
+    spec = specs[0]
+    assert all(other == spec for other in specs) and spec["init"].startswith("every parameter re-drawn")
+    overrides = json.loads(spec["config"][spec["config"].index("{"):])  # "real chatglm2-6b config.json with {...}"
+    overrides["padded_vocab_size"] = chatglm2_records[0]["model_config_special_ids"]["padded_vocab_size"]
+    folder = make_chatglm2_folder(tmp_path_factory.mktemp("chatglm2-chat"), config_changes=overrides)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True).eval()
+    generator = torch.Generator().manual_seed(spec["init_seed"])
+    with torch.no_grad():  # layernorm weights 1, word_embeddings normal(0, 1), others normal(0, 0.1)
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.fill_(1.0)
+            else:
+                scale = 1.0 if "word_embeddings" in name else 0.1
+                param.copy_(scale * torch.randn(param.shape, generator=generator))
+    return model, load_tokenizer(folder)
+
+
+def recorded_calls(monkeypatch, model, method: str) -> list:
+    """Each call of model.<method>: {"kwargs": ..., "result": ...}; a generator's result is its last item."""
+    calls, original = [], getattr(model, method)
+
+    def recorder(**kwargs):
+        call = {"kwargs": kwargs}
+        calls.append(call)
+        result = original(**kwargs)
+        if not inspect.isgenerator(result):
+            call["result"] = result
+            return result
+        return last_item_kept(result, call)
+
+    monkeypatch.setattr(model, method, recorder)
+    return calls
+
+
+def last_item_kept(generator, call):
+    for item in generator:
+        call["result"] = item
+        yield item
+
+
+def stream_generate_inputs(call) -> dict:
+    """What stream_chat handed stream_generate, in the record's fields. Without position_ids the model places the
+    new tokens after those the attention mask covers (the cache's), so those are the positions it uses."""
+    kwargs = call["kwargs"]
+    mask, ids = kwargs["attention_mask"], kwargs["input_ids"]
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = (mask.cumsum(-1) - 1)[:, -ids.shape[1]:]
+    output, _ = call["result"]
+    return {"input_ids": ids.tolist(), "position_ids": positions.tolist(), "attention_mask": mask.tolist(),
+            "past_key_values_given": kwargs.get("past_key_values") is not None,
+            "max_length": kwargs["max_length"], "output_length": output.shape[1]}
+
+
+def as_lists(history) -> list:
+    return [list(item) for item in history]
+
+
+def item_types(history) -> list:
+    return [type(item).__name__ for item in history]
+
+
+def test_chatglm2_chat_record(chatglm2_chat, chatglm2_records, monkeypatch):
+    """chat() sends ChatGLM2's prompt, and the tiny model of the record answers as the original's did (same ids, so
+    the same text); the history comes back as a new list with a (query, response) tuple added."""
+    model, tokenizer = chatglm2_chat
+    record = next(r for r in chatglm2_records if r.get("scenario") == "chat_call")
+    calls = recorded_calls(monkeypatch, model, "generate")
+    history_in = [tuple(pair) for pair in record["history"]]
+    response, history = model.chat(tokenizer, record["query"], history=history_in, **record["call_kwargs"])
+    (call,) = calls
+    prompt = call["kwargs"]["input_ids"][0].tolist()
+    assert prompt == record["prompt_ids"]
+    assert call["result"][0, len(prompt):].tolist() == record["generated_ids"]
+    assert response == record["response"] == model.process_response(tokenizer.decode(record["generated_ids"]))
+    assert as_lists(history) == record["history_out"] and item_types(history) == record["history_out_item_types"]
+    assert history is not history_in and history_in == [tuple(pair) for pair in record["history"]]
+
+
+def test_chatglm2_stream_chat_record_and_its_follow_up_on_the_cache(chatglm2_chat, chatglm2_records, monkeypatch):
+    """A first round, then a follow-up fed with the returned cache: the follow-up sends only build_stream_inputs'
+    round after it (CHATGLM2-STREAM-INPUTS-NO-PREFIX), at the positions after the cache, which holds prompt + answer
+    less the last id, as the original's (CHATGLM2-STREAM-PAST-EXCLUDES-LAST-ID); the answers are the original's."""
+    model, tokenizer = chatglm2_chat
+    record = next(r for r in chatglm2_records if r.get("scenario") == "stream_chat_call")
+    calls = recorded_calls(monkeypatch, model, "stream_generate")
+    steps = list(model.stream_chat(tokenizer, record["query"], history=record["history"],
+                                   **record["round1_call_kwargs"]))
+    history, cache = assert_stream_round(model, steps, calls[0], record, "round1", "round1_build_inputs_ids",
+                                         "round1_past_length")
+    steps = list(model.stream_chat(tokenizer, record["follow_up_query"], history=history, past_key_values=cache,
+                                   **record["follow_up_call_kwargs"]))
+    assert_stream_round(model, steps, calls[1], record, "follow_up", "follow_up_build_stream_inputs_ids",
+                        "follow_up_past_length_after")
+
+
+def assert_stream_round(model, steps, call, record, prefix: str, prompt_field: str, past_field: str):
+    """One stream_chat round against the record's `<prefix>_...` fields; returns its history and cache."""
+    assert len(steps) == record[f"{prefix}_n_yields"] and {len(step) for step in steps} == {3}
+    response, history, cache = steps[-1]
+    sent = record[f"{prefix}_stream_generate_inputs"]
+    assert stream_generate_inputs(call) == sent and sent["input_ids"][0] == record[prompt_field]
+    assert response == record[f"{prefix}_response"]
+    assert as_lists(history) == record[f"{prefix}_history_out"]
+    assert item_types(history) == record[f"{prefix}_history_out_item_types"]
+    assert model.cached_tokens(cache) == record[past_field]
+    return history, cache
+
+
+def test_chatglm2_stream_chat_with_a_history_and_no_cache_sends_the_history(chatglm2_chat, chatglm2_records,
+                                                                             monkeypatch):
+    """CHATGLM2-STREAM-HISTORY-WITHOUT-PAST-DROPPED fixed: return_past_key_values=True without a cache sent only the
+    last round ('\\n\\n[Round k]...', no [gMASK] sop, no history); the model now gets build_inputs' whole prompt."""
+    model, tokenizer = chatglm2_chat
+    record = next(r for r in chatglm2_records if r.get("scenario") == "build_inputs" and r["history"])
+    calls = recorded_calls(monkeypatch, model, "stream_generate")
+    *_, (_, history, _) = model.stream_chat(tokenizer, record["query"], history=record["history"],
+                                            return_past_key_values=True, do_sample=False, max_new_tokens=2)
+    sent = stream_generate_inputs(calls[0])
+    assert sent["input_ids"] == record["build_inputs"]["input_ids"] != record["build_stream_inputs"]["input_ids"]
+    assert sent["position_ids"] == record["build_inputs"]["position_ids"] and not sent["past_key_values_given"]
+    assert as_lists(history[:-1]) == record["history"] and history[-1][0] == record["query"]
+
+
+@pytest.mark.parametrize("record", chatglm2_params("chat", "build_inputs"))
+def test_chatglm2_build_inputs_record(chatglm2_chat, record):
+    model, tokenizer = chatglm2_chat
+    for method, expected in ((model.build_inputs, record["build_inputs"]),
+                             (model.build_stream_inputs, record["build_stream_inputs"])):
+        inputs = method(tokenizer, record["query"], history=record["history"])
+        assert {name: value.tolist() for name, value in inputs.items()} == expected, method.__name__
+
+
+@pytest.mark.parametrize("record", chatglm2_params("chat", "process_response"))
+def test_chatglm2_process_response_record(chatglm2_chat, record):
+    """CHATGLM2-PROCESS-RESPONSE-MINIMAL: strip, and [[训练时间]] as 2023年; nothing else is rewritten."""
+    model, _ = chatglm2_chat
+    assert model.process_response(record["raw"]) == record["processed"]
+
+
+class OriginalChatGLM2Tokenizer:
+    """What chat() can see of chatglm2-6b's original tokenizer (a folder where only modeling_chatglm.py was
+    replaced): build_prompt, no build_chat_input, no chatglm_family. Everything else is our ChatGLM2 tokenizer's."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        if name in ("build_chat_input", "chatglm_family"):
+            raise AttributeError(name)
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+
+def test_chatglm2_chat_with_the_original_tokenizer_is_chatglm2s(chatglm2_chat, chatglm2_records):
+    model, tokenizer = chatglm2_chat
+    record = next(r for r in chatglm2_records if r.get("scenario") == "chat_call")
+    response, history = model.chat(OriginalChatGLM2Tokenizer(tokenizer), record["query"], **record["call_kwargs"])
+    assert response == record["response"] and as_lists(history) == record["history_out"]
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(history=[{"role": "user", "content": "你好"}]), r"history\[0\].*\(query, response\) pair"),
+    (dict(history=[("你好", "你好！", "extra")]), r"history\[0\] must be a \(query, response\) pair"),
+    (dict(history=[], role="system"), r"role='system'.*no roles"),
+])
+def test_chatglm2_chat_names_what_it_cannot_take(chatglm2_chat, call, message):
+    model, tokenizer = chatglm2_chat
+    with pytest.raises(ValueError, match=message):
+        model.chat(tokenizer, "hi", **call)
+
+
+def test_chatglm3_folder_keeps_chatglm3s_chat(tiny_model, tmp_path, monkeypatch):
+    """A chatglm3-6b folder (its tokenizer files and config.json): chat() sends build_chat_input's prompt and returns
+    role messages, as before."""
+    folder = make_tokenizer_folder(tmp_path / "chatglm3-6b", "chatglm3")
+    shutil.copy(shared_path("configs", "chatglm3-6b", "config.json"), folder / "config.json")
+    tokenizer = load_tokenizer(folder)
+    model = tiny_model("chatglm3", padded_vocab_size=REAL_VOCABULARY["chatglm3"], hidden_size=32,
+                       num_attention_heads=2, kv_channels=16, ffn_hidden_size=48, num_layers=2)
+    calls = recorded_calls(monkeypatch, model, "generate")
+    _, history = model.chat(tokenizer, "你好", history=[], **GREEDY)
+    sent = calls[0]["kwargs"]["input_ids"].tolist()
+    assert sent == tokenizer.build_chat_input("你好")["input_ids"].tolist()
+    assert 64795 in sent[0] and history[0] == {"role": "user", "content": "你好"}

@@ -13,12 +13,16 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO, TRANSFORMERS, Version, shared_path
+from conftest import GOLDEN_CASES, REPO, TRANSFORMERS, Version, shared_path
 from tokenizer_fixtures import load_jsonl, make_tokenizer_folder
 
 import export_to_native_glm as exporter
 
 pytestmark = pytest.mark.skipif(TRANSFORMERS < Version("4.46"), reason="GlmForCausalLM arrived in transformers 4.46")
+# The golden cases the exporter takes: ChatGLM2's tokenizer has no fast tokenizer yet, so its export is refused
+# (test_a_chatglm2_checkpoint_is_refused_naming_it).
+EXPORTED_CASES = tuple(case for case in GOLDEN_CASES if case != "chatglm2-tiny")
+exported_cases = pytest.mark.parametrize("golden", EXPORTED_CASES, indirect=True)
 SLOW_TOKENIZER = {"glm4": "glm4_tokenizer", "chatglm3": "chatglm3_tokenizer"}
 RECORDS = {"glm4": "glm4.jsonl", "chatglm3": "chatglm3.jsonl"}
 
@@ -44,6 +48,7 @@ def load_native(folder):
         "dtype" if TRANSFORMERS >= Version("4.56") else "torch_dtype": torch.float32}).eval()
 
 
+@exported_cases
 def test_the_export_loads_without_remote_code_and_gives_the_golden_logits(golden, exported, golden_model):
     _, _, native_folder = exported
     native = load_native(native_folder)
@@ -60,6 +65,7 @@ def test_the_export_loads_without_remote_code_and_gives_the_golden_logits(golden
             torch.testing.assert_close(logits, golden_model(input_ids=ids).logits[0], rtol=1e-5, atol=1e-5)
 
 
+@exported_cases
 def test_the_export_generates_the_golden_greedy_tokens(golden, exported):
     native = load_native(exported[2])
     kwargs = {k: v for k, v in golden.gen_kwargs.items() if k not in ("return_dict_in_generate", "output_logits")}
@@ -69,12 +75,14 @@ def test_the_export_generates_the_golden_greedy_tokens(golden, exported):
         assert out.tolist() == golden.expected[f"seq_{i}_gen_tokens"].tolist()
 
 
+@exported_cases
 def test_the_source_folder_is_untouched(exported):
     source, before, _ = exported
     assert digests(source) == before
     assert not [p.name for p in source.parent.iterdir() if p.name.startswith(".")]  # no staging folder left
 
 
+@exported_cases
 def test_the_exported_tokenizer_gives_our_ids_on_real_text(golden, exported, request):
     native = transformers.AutoTokenizer.from_pretrained(str(exported[2]))
     assert isinstance(native, transformers.PreTrainedTokenizerFast)
@@ -89,6 +97,7 @@ def test_the_exported_tokenizer_gives_our_ids_on_real_text(golden, exported, req
                 text[:80]
 
 
+@exported_cases
 def test_the_exported_chat_template_gives_our_chat_ids(golden, exported, request):
     """Every shared conversation: the export's ids are those of our render-then-encode path (vLLM's, SGLang's), and
     those of our tokenize=True path unless special-token text inside a message is parsed by rendering (a template
@@ -114,6 +123,7 @@ def run_exporter(*args):
     return result.returncode, result.stdout + result.stderr
 
 
+@exported_cases
 @pytest.mark.parametrize("field,value", [("pre_seq_len", 8), ("vision_config", {"hidden_size": 8}),
                                          ("quantization_bit", 4), ("add_bias_linear", True), ("rmsnorm", False),
                                          ("model_type", "llama")])
@@ -127,6 +137,7 @@ def test_what_glm_cannot_hold_is_refused_naming_it(exported, tmp_path, field, va
     assert not (tmp_path / "native").exists()
 
 
+@exported_cases
 def test_an_existing_output_or_one_inside_the_source_is_refused(exported, tmp_path):
     source = exported[0]
     (tmp_path / "taken").mkdir()
@@ -136,6 +147,7 @@ def test_an_existing_output_or_one_inside_the_source_is_refused(exported, tmp_pa
     assert not (source / "native").exists()
 
 
+@exported_cases
 def test_a_failing_export_leaves_no_output(exported, tmp_path):
     """A weight missing half-way through: nothing appears, no staging folder is left, exit code 2 naming it."""
     from safetensors.torch import load_file, save_file
@@ -147,6 +159,18 @@ def test_a_failing_export_leaves_no_output(exported, tmp_path):
     code, output = run_exporter(source, tmp_path / "native", "--max-shard-size", "10KB")
     assert code == 2 and "layers.1.mlp.dense_4h_to_h" in output, output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+def test_a_chatglm2_checkpoint_is_refused_naming_it(tmp_path):
+    """ChatGLM2's tokens are not ChatGLM3's (no role tokens, special text stays text): exporting ChatGLM3's fast
+    tokenizer for it would be wrong, so the export stops (exit 2, nothing written) and says why."""
+    from tokenizer_fixtures import make_chatglm2_folder
+
+    source = make_chatglm2_folder(tmp_path / "source")
+    shutil.copy(shared_path("golden", "chatglm2-tiny", "checkpoint", "model.safetensors"), source)
+    code, output = run_exporter(source, tmp_path / "native")
+    assert code == 2 and "ChatGLM2" in output and "THUDM/chatglm2-6b" in output, output
+    assert not (tmp_path / "native").exists()
 
 
 MEMORY_PROBE = """

@@ -525,6 +525,18 @@ def test_converter_refuses_a_file_that_is_no_tokenizer_model(fast_converter, tmp
     assert sorted(path.name for path in tmp_path.iterdir()) == ["tokenizer.model"]
 
 
+def test_converter_refuses_a_chatglm2_checkpoint_naming_it(fast_converter, tmp_path):
+    """chatglm2-6b ships chatglm3-6b's tokenizer.model, but not its tokens: ChatGLM3's tokenizer.json would parse role
+    tokens and special text ChatGLM2 keeps as text. The converter says so and writes nothing."""
+    from tokenizer_fixtures import make_chatglm2_folder
+
+    folder = make_chatglm2_folder(tmp_path / "chatglm2-6b")
+    before = folder_state(folder)
+    code, out, err = run_tool(fast_converter.main, [folder])
+    assert code == 2 and "ChatGLM2" in err and "THUDM/chatglm2-6b" in err and "Traceback" not in out + err, err
+    assert folder_state(folder) == before
+
+
 def test_tokenizer_json_merges_are_readable_by_every_supported_tokenizers_release(fast_converter, tmp_path):
     """tokenizers 0.20+ writes merges as pairs, which tokenizers 0.19 (transformers 4.44) cannot parse; the converter
     writes the "left right" strings that all releases read, and they load back to the same tokenizer."""

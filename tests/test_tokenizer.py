@@ -11,6 +11,7 @@ import base64
 import json
 import pickle
 import re
+import shutil
 
 import pytest
 
@@ -22,7 +23,8 @@ import conftest
 if not hasattr(conftest, "glm4_tokenizer"):  # until conftest.py does `from tokenizer_fixtures import *`
     from tokenizer_fixtures import *  # noqa: F401,F403
 
-from tokenizer_fixtures import TOKENIZER_DIRS, load_jsonl, load_tokenizer
+from tokenizer_fixtures import (TOKENIZER_DIRS, chatglm2_params, load_jsonl, load_tokenizer, make_chatglm2_folder,
+                                make_tokenizer_folder)
 
 GLM4_SPECIALS = (
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
@@ -1185,6 +1187,224 @@ def test_empty_conversation(glm4_tokenizer, chatglm3_tokenizer):
     with pytest.raises(ValueError, match="conversation is empty"):
         glm4_tokenizer.apply_chat_template([])
     assert chatglm3_tokenizer.apply_chat_template([]) == chatglm3_tokenizer.get_prefix_tokens()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ChatGLM2 (chatglm2-6b): the same ChatGLMTokenizer in the original chatglm2-6b tokenizer's form (tokvec/chatglm2.jsonl)
+# ---------------------------------------------------------------------------------------------------------------------
+
+CHATGLM2_COMMANDS = ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop")
+
+
+def test_chatglm2_facts_match_original_with_fixes(chatglm2_tokenizer, chatglm2_records):
+    tok, info = chatglm2_tokenizer, meta(chatglm2_records)
+    assert type(tok).__name__ == info["tokenizer_class"] and tok.chatglm_family == "chatglm2"
+    # CHATGLM2-LEN-LT-VOCAB fixed: every id has its own vocabulary entry, so len(tok) == vocab_size.
+    assert tok.vocab_size == info["vocab_size"] == len(tok) == len(tok.get_vocab())
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token, tok.pad_token_id, tok.unk_token) == (
+        info["eos_token"], info["eos_token_id"], info["pad_token"], info["pad_token_id"], info["unk_token"])
+    assert tok.unk_token_id == info["special_token_ids"]["<unk>"]  # CHATGLM2-UNK-ID-NONE: the original said None
+    assert (tok.padding_side, tok.truncation_side, tok.model_max_length) == (
+        info["padding_side"], info["truncation_side"], info["model_max_length"])
+    assert list(tok.model_input_names) == info["model_input_names"]
+    assert tok.special_tokens_map == info["special_tokens_map"]
+    assert tok.get_prefix_tokens() == info["prefix_tokens"]
+    assert {t: tok.convert_tokens_to_ids(t) for t in info["special_token_ids"]} == info["special_token_ids"]
+    assert {t: tok.convert_tokens_to_ids(t) for t in info["convert_tokens_to_ids_other_spellings"]} == \
+        info["convert_tokens_to_ids_other_spellings"]
+    assert {t: tok.get_command(t) for t in info["get_command"]} == info["get_command"]
+    for token in info["get_command_errors"]:  # ChatGLM3's role tokens do not exist in ChatGLM2
+        with pytest.raises(KeyError, match=re.escape(token)):
+            tok.get_command(token)
+    assert tok.special_tokens == info["chatglm_special_tokens_attr"]
+    assert tok.tokenizer.n_words == info["sp_vocab_size"]
+    assert [tok.tokenizer.bos_id, tok.tokenizer.eos_id, tok.tokenizer.pad_id] == info["sp_bos_eos_unk"]
+    assert tok.chat_template is info["chat_template"] is None
+    assert info["has_build_prompt"] and not info["has_build_chat_input"]
+    with pytest.raises(ValueError, match="ChatGLM3's prompt.*build_prompt"):
+        tok.build_chat_input("hi")
+    # Nothing is registered but what transformers registers itself: </s> and <unk> at their SentencePiece ids (the
+    # original registered nothing: CHATGLM2-SKIP-SPECIAL-NOOP). No control token is a special token, as there.
+    assert {index: t.content for index, t in tok.added_tokens_decoder.items()} == {0: "<unk>", 2: "</s>"}
+    assert set(tok.all_special_tokens) == {"</s>", "<unk>"}
+    assert not set(tok.all_special_ids) & set(info["special_token_ids"][t] for t in CHATGLM2_COMMANDS)
+    # CHATGLM2-NO-CHAT-TEMPLATE: apply_chat_template gave ChatML or raised; it now renders ChatGLM2's prompt.
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == tok.build_prompt("hi")
+
+
+@pytest.mark.parametrize("record", chatglm2_params("encode"))
+def test_chatglm2_encode_record(chatglm2_tokenizer, sp_oracle, record):
+    """Typed text is only text (CHATGLM2-SPECIAL-SPELLING-IS-TEXT): [gMASK] sop come from add_special_tokens alone,
+    and decode drops them (CHATGLM2-COMMAND-IDS-DECODE-EMPTY)."""
+    tok, text = chatglm2_tokenizer, record["text"]
+    assert record["ids_no_special"] == record["sp_encode_ids"] == sp_oracle.encode(text)
+    assert tok.encode(text, add_special_tokens=False) == record["ids_no_special"]
+    assert tok.encode(text, add_special_tokens=False, split_special_tokens=True) == record["ids_no_special"]
+    assert tok.encode(text) == record["ids_special"]
+    assert tok.tokenizer.encode(text) == record["sp_encode_ids"]
+    assert [repr(token) for token in tok.tokenize(text)] == record["tokens_repr"]
+    assert dict(tok(text)) == record["call_output"]
+    assert tok.decode(record["ids_no_special"]) == record["decoded"]
+    assert tok.decode(record["ids_no_special"], spaces_between_special_tokens=False) == record["decoded_nospace"]
+    assert tok.decode(record["ids_special"]) == record["decoded_special"]
+    assert tok.decode(record["ids_special"], skip_special_tokens=True) == record["decoded_skip_special"]
+
+
+@pytest.mark.parametrize("record", chatglm2_params("decode"))
+def test_chatglm2_decode_record(chatglm2_tokenizer, chatglm2_records, record):
+    tok, ids = chatglm2_tokenizer, record["ids"]
+    fields = ("decoded", "decoded_skip_special", "decoded_nospace", "tokens_repr")
+    expected = {field: record[field] for field in fields if field in record}
+    if has_code(record, "CHATGLM2-DECODE-OUT-OF-RANGE-RAISES"):
+        # Fixed: the model's output rows reach past the vocabulary (padded_vocab_size 65024); such an id has no token
+        # and decodes to "" (ChatGLM3's original did so) instead of raising IndexError.
+        assert min(ids) >= meta(chatglm2_records)["vocab_size"] and bug_fields(record) == {f + "_error" for f in fields}
+        expected = {"decoded": "", "decoded_skip_special": "", "decoded_nospace": "", "tokens_repr": ["''"] * len(ids)}
+    assert {
+        "decoded": tok.decode(ids),
+        "decoded_skip_special": tok.decode(ids, skip_special_tokens=True),
+        "decoded_nospace": tok.decode(ids, spaces_between_special_tokens=False),
+        "tokens_repr": [repr(token) for token in tok.convert_ids_to_tokens(ids)],
+    } == expected
+
+
+@pytest.mark.parametrize("mechanism", ["attribute", "call_kwarg"])
+@pytest.mark.parametrize("record", chatglm2_params("batch"))
+def test_chatglm2_batch_record(chatglm2_tokenizer, chatglm2_records, sp_oracle, record, mechanism):
+    """Left padding as the original; right padding works (PAD-ASSERT-LEFT fixed), mirroring it."""
+    info = meta(chatglm2_records)
+    (_, side, kwargs, expected), = expected_batches([record], info["prefix_tokens"], info["pad_token_id"],
+                                                   sp_oracle.encode)
+    assert run_batch(chatglm2_tokenizer, record, side, kwargs, mechanism) == expected
+    if "return_tensors_pt" in record:
+        tensors = chatglm2_tokenizer(record["texts"], return_tensors="pt", **kwargs)
+        assert {key: value.tolist() for key, value in tensors.items()} == record["return_tensors_pt"]
+    elif "return_tensors_pt_error" in record:
+        with pytest.raises(ValueError, match="padding"):
+            chatglm2_tokenizer(record["texts"], return_tensors="pt", **kwargs)
+
+
+@pytest.mark.parametrize("record", chatglm2_params("pair"))
+def test_chatglm2_pair_record(chatglm2_tokenizer, record):
+    assert dict(chatglm2_tokenizer(record["text"], record["text_pair"])) == record["output"]
+
+
+@pytest.mark.parametrize("record", chatglm2_params("chat", "build_inputs"))
+def test_chatglm2_prompt_record(chatglm2_tokenizer, record):
+    """build_prompt is the original's (rounds, [Round i] numbered from 1, CHATGLM2-PROMPT-ROUND-FORMAT); the same
+    conversation as messages renders to that text, and encodes to build_inputs' ids."""
+    tok, history = chatglm2_tokenizer, record["history"]
+    assert tok.build_prompt(record["query"], history) == record["build_prompt"]
+    if "build_prompt_history_none" in record:
+        assert tok.build_prompt(record["query"]) == record["build_prompt_history_none"]
+    ids = record["build_inputs"]["input_ids"][0]
+    assert tok([record["build_prompt"]])["input_ids"] == [ids]
+    settings = dict(add_generation_prompt=record["add_generation_prompt"])
+    assert tok.apply_chat_template(record["messages"], tokenize=False, **settings) == record["build_prompt"]
+    assert tok.apply_chat_template(record["messages"], **settings) == ids
+    encoded = tok.apply_chat_template(record["messages"], return_dict=True, return_tensors="pt", **settings)
+    assert {key: value.tolist() for key, value in encoded.items()} == record["build_inputs"]
+
+
+@pytest.mark.parametrize("history, message", [
+    ([{"role": "user", "content": "你好"}], r"history\[0\].*\(query, response\) pair"),
+    ([("你好",)], r"history\[0\]"),
+])
+def test_chatglm2_prompt_names_a_bad_history_entry(chatglm2_tokenizer, history, message):
+    with pytest.raises(ValueError, match=message):
+        chatglm2_tokenizer.build_prompt("hi", history)
+
+
+def test_chatglm2_chat_template_refuses_roles_it_does_not_have(chatglm2_tokenizer):
+    with pytest.raises(ValueError, match=r"conversation\[0\].*'system'.*no system"):
+        chatglm2_tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": "hi"}])
+
+
+# ---- Which form: the checkpoint's files decide, chatglm_family overrides --------------------------------------------
+
+
+@pytest.mark.parametrize("named_in", ["tokenizer_config", "config", "both"])
+def test_chatglm2_recognised_from_the_name_in_either_file(tmp_path, named_in):
+    """chatglm2-6b's tokenizer_config.json says name_or_path "THUDM/chatglm2-6b" and its config.json _name_or_path
+    the same; either is enough (a save_pretrained drops the tokenizer's, transformers 5 the config's)."""
+    folder = make_chatglm2_folder(tmp_path / "checkpoint", drop_names=True,
+                                  tokenizer_config_changes={"name_or_path": "THUDM/chatglm2-6b"}
+                                  if named_in in ("tokenizer_config", "both") else None,
+                                  config_changes={"_name_or_path": "/models/ChatGLM2-6B"}
+                                  if named_in in ("config", "both") else None)
+    tok = load_tokenizer(folder)
+    assert (tok.chatglm_family, tok.vocab_size) == ("chatglm2", 64794)
+    assert tok.encode("<|user|>", add_special_tokens=False) == [906, 31007, 4865, 31007, 30994]
+
+
+def test_chatglm2_without_names_is_chatglm3_with_a_warning_until_chosen(tmp_path, caplog):
+    """A fine-tuned ChatGLM2 whose files lost both names (this folder's own name says chatglm2, which is not read):
+    ChatGLM3's form with a warning naming the choice; chatglm_family='chatglm2' (argument or tokenizer_config.json)
+    chooses ChatGLM2."""
+    import logging
+
+    folder = make_chatglm2_folder(tmp_path / "chatglm2-6b-finetuned", drop_names=True)
+    with caplog.at_level(logging.WARNING):
+        tok = load_tokenizer(folder)
+    assert tok.chatglm_family == "chatglm3"
+    assert [r for r in caplog.records if "chatglm_family='chatglm2'" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        chosen = load_tokenizer(folder, chatglm_family="chatglm2")
+    assert (chosen.chatglm_family, chosen.vocab_size) == ("chatglm2", 64794)
+    assert not [r for r in caplog.records if "chatglm_family" in r.getMessage()]
+    written = make_chatglm2_folder(tmp_path / "written", drop_names=True,
+                                   tokenizer_config_changes={"chatglm_family": "chatglm2"})
+    assert load_tokenizer(written).chatglm_family == "chatglm2"
+
+
+def test_chatglm2_form_survives_save_pretrained(chatglm2_tokenizer, tmp_path):
+    """save_pretrained drops name_or_path; it writes chatglm_family instead, so the saved tokenizer (without any
+    config.json) loads as ChatGLM2's again."""
+    chatglm2_tokenizer.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert written["chatglm_family"] == "chatglm2" and "name_or_path" not in written
+    reloaded = load_tokenizer(tmp_path)
+    assert (reloaded.chatglm_family, reloaded.vocab_size) == ("chatglm2", 64794)
+    assert reloaded.encode("[gMASK]sop你好") == chatglm2_tokenizer.encode("[gMASK]sop你好")
+
+
+def test_chatglm2_tokenization_file_copied_alone(tmp_path, chatglm2_records):
+    """Only our tokenization_chatglm.py in chatglm2-6b's folder (its tokenizer_config.json and config.json, no other
+    code file of ours): chatglm2-6b's tokenizer, its ids and prompt."""
+    folder = make_chatglm2_folder(tmp_path / "checkpoint")
+    for name in conftest.CODE_FILES:
+        if name != "tokenization_chatglm.py":
+            (folder / name).unlink(missing_ok=True)
+    tok = load_tokenizer(folder)
+    assert (tok.chatglm_family, tok.vocab_size) == ("chatglm2", meta(chatglm2_records)["vocab_size"])
+    record = next(r for r in of_kind(chatglm2_records, "encode") if "special_spellings_in_text" in r)
+    assert tok.encode(record["text"]) == record["ids_special"]
+    chat = next(r for r in of_kind(chatglm2_records, "chat") if r.get("history"))
+    assert tok([tok.build_prompt(chat["query"], chat["history"])])["input_ids"] == chat["build_inputs"]["input_ids"]
+
+
+def test_chatglm_family_that_does_not_exist_is_named(tmp_path):
+    with pytest.raises(ValueError, match="chatglm_family='glm4'.*'chatglm2'.*'chatglm3'"):
+        load_tokenizer(make_chatglm2_folder(tmp_path / "checkpoint"), chatglm_family="glm4")
+
+
+def test_chatglm3_folder_keeps_chatglm3s_tokenizer(tmp_path, chatglm3_records, sp_oracle):
+    """chatglm3-6b's own files (tokenizer_config.json without a name, config.json naming THUDM/chatglm3-6b): the
+    ChatGLM3 tokenizer, unchanged; build_prompt is ChatGLM2's and says so."""
+    folder = make_tokenizer_folder(tmp_path / "chatglm3-6b", "chatglm3")
+    shutil.copy(conftest.shared_path("configs", "chatglm3-6b", "config.json"), folder / "config.json")
+    tok = load_tokenizer(folder)
+    assert (tok.chatglm_family, tok.vocab_size, len(tok)) == ("chatglm3", 64798, 64798)
+    text = "<|user|>\n你好<|assistant|>"
+    assert tok.encode(text, add_special_tokens=False) == chatglm3_reference_parse(text, sp_oracle)
+    reference = next(r for r in of_kind(chatglm3_records, "chat") if "build_chat_input" in r)["build_chat_input"]
+    assert tok.build_chat_input(reference["query"], history=reference["history"],
+                                role=reference["role"])["input_ids"].tolist() == reference["input_ids"]
+    assert tok.decode([64790, 64792, 36474]) == "[gMASK]sop你"
+    with pytest.raises(ValueError, match="ChatGLM2's prompt.*chatglm_family='chatglm2'"):
+        tok.build_prompt("你好")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -18,9 +18,13 @@ __all__ = [
     "load_tokenizer",
     "glm4_records",
     "chatglm3_records",
+    "chatglm2_records",
+    "chatglm2_params",
+    "make_chatglm2_folder",
     "glm4_variant_records",
     "glm4_tokenizer",
     "chatglm3_tokenizer",
+    "chatglm2_tokenizer",
     "tokenizer_folder_factory",
     "fast_converter",
     "glm4_fast_tokenizer",
@@ -57,6 +61,32 @@ def make_tokenizer_folder(folder: Path, family: str, config_changes=None, drop_c
     return copy_code_into(folder)
 
 
+def make_chatglm2_folder(folder: Path, tokenizer_config_changes=None, config_changes=None,
+                         drop_names=False) -> Path:
+    """A chatglm2-6b folder as its users have it, with our code files: the shared tokenizer.model (chatglm2-6b ships
+    chatglm3-6b's, same sha256), chatglm2-6b's tokenizer_config.json (from the chatglm2.jsonl meta record) and
+    config.json (the golden chatglm2-tiny checkpoint's, chatglm2-6b's shrunk). `drop_names` removes the names a
+    save_pretrained drops (tokenizer_config's name_or_path, config's _name_or_path)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shared_path("tokenizers", TOKENIZER_DIRS["chatglm3"], "tokenizer.model"), folder / "tokenizer.model")
+    tokenizer_config = dict(load_jsonl("tokvec", "chatglm2.jsonl")[0]["tokenizer_config"])
+    config = json.loads(shared_path("golden", "chatglm2-tiny", "checkpoint", "config.json").read_text())
+    if drop_names:
+        tokenizer_config.pop("name_or_path")
+        config.pop("_name_or_path")
+    tokenizer_config.update(tokenizer_config_changes or {})
+    config.update(config_changes or {})
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, ensure_ascii=False), encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return copy_code_into(folder)
+
+
+def chatglm2_params(kind: str, scenario=None) -> list:
+    """The chatglm2.jsonl records of a kind (and chat scenario) as pytest params, each with its record id."""
+    return [pytest.param(record, id=record["id"]) for record in load_jsonl("tokvec", "chatglm2.jsonl")
+            if record["kind"] == kind and record.get("scenario") == scenario]
+
+
 def load_tokenizer(folder: Path, **kwargs):
     from transformers import AutoTokenizer
 
@@ -71,6 +101,11 @@ def glm4_records():
 @pytest.fixture(scope="session")
 def chatglm3_records():
     return load_jsonl("tokvec", "chatglm3.jsonl")
+
+
+@pytest.fixture(scope="session")
+def chatglm2_records():
+    return load_jsonl("tokvec", "chatglm2.jsonl")
 
 
 @pytest.fixture(scope="session")
@@ -96,6 +131,11 @@ def glm4_tokenizer(tokenizer_folder_factory):
 @pytest.fixture(scope="session")
 def chatglm3_tokenizer(tokenizer_folder_factory):
     return load_tokenizer(tokenizer_folder_factory("chatglm3", "chatglm3-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def chatglm2_tokenizer(tmp_path_factory):
+    return load_tokenizer(make_chatglm2_folder(tmp_path_factory.mktemp("chatglm2-tokenizer")))
 
 
 @pytest.fixture(scope="session")

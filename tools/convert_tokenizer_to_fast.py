@@ -174,7 +174,15 @@ def family_of(model_path: Path) -> str:
 def build_fast_tokenizer(model_path) -> Tokenizer:
     """The fast tokenizer of a GLM-4 or ChatGLM3 tokenizer.model (ValueError naming the file if it is neither)."""
     model_path = Path(model_path)
-    return glm4_tokenizer(model_path) if family_of(model_path) == "glm4" else chatglm3_tokenizer(model_path)
+    if family_of(model_path) == "glm4":
+        return glm4_tokenizer(model_path)
+    # chatglm2-6b ships the same tokenizer.model; the files beside it tell (tokenization_chatglm.chatglm_family_of).
+    family, evidence = _tokenization.chatglm_family_of(str(model_path))
+    if family == "chatglm2":
+        raise ValueError(f"{model_path}: a ChatGLM2 checkpoint ({evidence}); this converter writes ChatGLM3's fast "
+                         "tokenizer, which encodes ChatGLM2's text differently (role tokens, parsed special "
+                         "text): ChatGLM2 has no fast tokenizer here yet, use its slow tokenizer")
+    return chatglm3_tokenizer(model_path)
 
 
 def load_fast_tokenizer(folder):
