@@ -73,6 +73,11 @@ def assert_cache_used(calls: List[Forward], prompt: int, new_tokens: int, held_a
     assert [c.held for c in calls] == expected_held, calls
 
 
+def cache_keyword(cache) -> dict:
+    """The cache as a client of the installed transformers passes it: `cache=` from 5.24, `past_key_values=` before."""
+    return {"cache" if TRANSFORMERS >= Version("5.24") else "past_key_values": cache}
+
+
 def random_ids(batch, length, seed, high=256):
     return torch.randint(3, high, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -103,9 +108,9 @@ def test_generate_continues_from_a_cache_the_caller_passes(tiny_model, chatglm, 
         cache = modeling.new_static_cache(model.config, 1, 12 + NEW_TOKENS, torch.float32,
                                           [torch.device("cpu")] * model.config.num_layers)
     with torch.no_grad():
-        model(input_ids=ids[:, :8], use_cache=True, **modeling.cache_output(cache))
+        model(input_ids=ids[:, :8], use_cache=True, **cache_keyword(cache))
         with ForwardLog(model) as log:
-            continued = model.generate(ids, max_new_tokens=NEW_TOKENS, **modeling.cache_output(cache), **GREEDY)
+            continued = model.generate(ids, max_new_tokens=NEW_TOKENS, **cache_keyword(cache), **GREEDY)
         fresh = model.generate(ids, max_new_tokens=NEW_TOKENS, **GREEDY)
     assert continued.tolist() == fresh.tolist()
     assert_cache_used(log.calls, prompt=4, new_tokens=NEW_TOKENS, held_at_start=8)
