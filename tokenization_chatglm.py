@@ -183,12 +183,17 @@ class _TransformersCompat:
 
         @classmethod
         def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-            # Check a local tokenizer.model before transformers builds the tokenizer, so its error is the one raised.
+            # Check a local folder before transformers builds the tokenizer, so that our error is the one raised.
             folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
             vocab_file = kwargs.get("vocab_file") or os.path.join(folder, VOCAB_FILES_NAMES["vocab_file"])
             if os.path.isdir(folder):
-                cls._check_model_file(_read_vocab_file(vocab_file, cls.__name__, cls.EXPECTED_FILE))
+                cls._check_before_build(vocab_file, kwargs)
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
+    def _check_before_build(cls, vocab_file: str, kwargs: dict) -> None:
+        """What construction would refuse in a local folder (see from_pretrained above): the model file."""
+        cls._check_model_file(_read_vocab_file(vocab_file, cls.__name__, cls.EXPECTED_FILE))
 
     if _HAS_BATCH_ENCODE_PLUS:
 
@@ -1344,6 +1349,12 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
     @classmethod
     def _check_model_file(cls, vocab_file: str) -> None:
         _SentencePieceModel(vocab_file, cls.CONTROL_TOKENS)
+
+    @classmethod
+    def _check_before_build(cls, vocab_file: str, kwargs: dict) -> None:
+        super()._check_before_build(vocab_file, kwargs)
+        config = os.path.join(os.path.dirname(vocab_file), "tokenizer_config.json")
+        chatglm_family_of(vocab_file, kwargs.get("chatglm_family", _json_field(config, "chatglm_family")))
 
     def _load_model(self, vocab_file: str) -> int:
         self.tokenizer = _SentencePieceModel(vocab_file, self.CONTROL_TOKENS)

@@ -1385,9 +1385,16 @@ def test_chatglm2_tokenization_file_copied_alone(tmp_path, chatglm2_records):
     assert tok([tok.build_prompt(chat["query"], chat["history"])])["input_ids"] == chat["build_inputs"]["input_ids"]
 
 
-def test_chatglm_family_that_does_not_exist_is_named(tmp_path):
+@pytest.mark.parametrize("given_in", ["from_pretrained", "tokenizer_config.json"])
+def test_chatglm_family_that_does_not_exist_is_named(tmp_path, given_in):
+    """Also where transformers (4.46 to 5.0, without protobuf) turns any error raised while building a tokenizer into
+    an ImportError about protobuf: the value is checked before."""
+    if given_in == "from_pretrained":
+        folder, kwargs = make_chatglm2_folder(tmp_path / "checkpoint"), {"chatglm_family": "glm4"}
+    else:
+        folder, kwargs = make_chatglm2_folder(tmp_path / "checkpoint", {"chatglm_family": "glm4"}), {}
     with pytest.raises(ValueError, match="chatglm_family='glm4'.*'chatglm2'.*'chatglm3'"):
-        load_tokenizer(make_chatglm2_folder(tmp_path / "checkpoint"), chatglm_family="glm4")
+        load_tokenizer(folder, **kwargs)
 
 
 def test_chatglm3_folder_keeps_chatglm3s_tokenizer(tmp_path, chatglm3_records, sp_oracle):
