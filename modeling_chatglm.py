@@ -185,10 +185,13 @@ _DEVICE_TYPE_WARNING = r"You are calling \.generate\(\) with the `input_ids` bei
 
 def generation_device(model: nn.Module) -> torch.device:
     """Where generate() keeps its ids, mask and new tokens: model.device, the device its check compares the prompt
-    with (4.51+), or the logits' device (4.44 to 4.50)."""
-    if _GENERATE_MOVES_LOGITS:
-        return model.device
-    return execution_device(model.transformer.output_layer) or model.device
+    with (4.51+; where the embedding's weights are offloaded, on `meta`, the device it computes on), or the logits'
+    device (4.44 to 4.50)."""
+    if not _GENERATE_MOVES_LOGITS:
+        return execution_device(model.transformer.output_layer) or model.device
+    if model.device.type == "meta":
+        return execution_device(model.transformer.embedding) or model.device
+    return model.device
 
 
 @contextmanager

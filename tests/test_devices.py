@@ -7,7 +7,7 @@ import re
 from chatglm_tools import device_check
 import pytest
 import torch
-from conftest import FAMILIES, REPO, load_causal_lm, shared_path, tiny_config_dict
+from conftest import FAMILIES, REPO, load_causal_lm, save_checkpoint, shared_path, tiny_config_dict
 from virtual_devices import virtual_devices
 
 CROSS_DEVICE = "Expected all tensors to be on the same device"
@@ -137,6 +137,21 @@ def test_generate_gives_no_device_warning_when_embedding_and_output_layer_differ
     assert torch.device(embedding).type != torch.device(output).type
     assert report.device_warnings == []
     assert report.greedy_same and report.batch_greedy_same and report.cache_on_layer_devices
+
+
+def test_generate_with_the_embedding_offloaded_to_disk(tiny_model, tmp_path):
+    """accelerate's disk offload keeps the embedding's weights on `meta` between calls, so model.device is meta:
+    generate() keeps its ids where the embedding computes, and gives the tokens of the model in memory."""
+    model = tiny_model("glm4")
+    folder = save_checkpoint(model, tmp_path / "checkpoint")
+    device_map = {"transformer.embedding": "disk", "transformer.rotary_pos_emb": "cpu", "transformer.encoder": "cpu",
+                  "transformer.output_layer": "disk"}
+    offloaded = load_causal_lm(folder, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    assert offloaded.device.type == "meta"
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        kwargs = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert offloaded.generate(ids, **kwargs).tolist() == model.generate(ids, **kwargs).tolist()
 
 
 @pytest.mark.matrix_ends
