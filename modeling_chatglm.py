@@ -590,6 +590,13 @@ def check_loaded_weights(model: nn.Module, loading_info: dict, source):
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+def index_shards(index_file: str, wanted=lambda key: True) -> list:
+    """The shard file names a sharded checkpoint's index (`*.index.json`) gives for the wanted keys, sorted."""
+    with open(index_file) as index:
+        weight_map = json.load(index)["weight_map"]
+    return sorted({shard for key, shard in weight_map.items() if wanted(key)})
+
+
 def with_variant(name: str, variant: Optional[str]) -> str:
     """transformers' file name of a variant: "model.safetensors" -> "model.fp16.safetensors"."""
     if not variant:
@@ -626,9 +633,7 @@ def stored_weight_files(source, kwargs: dict) -> Optional[list]:
             continue
         if not found.endswith(".index.json"):
             return [found]
-        with open(found) as index:
-            shards = sorted(set(json.load(index)["weight_map"].values()))
-        files = [local_checkpoint_file(source, shard, kwargs) for shard in shards]
+        files = [local_checkpoint_file(source, shard, kwargs) for shard in index_shards(found)]
         return files if all(files) else None
     return None
 
@@ -1913,10 +1918,8 @@ def read_prefix_file(path, names=PREFIX_FILES, shapes_only: bool = False) -> Tup
         path = present[0]
     files = [path]
     if path.endswith(".index.json"):
-        with open(path) as index:
-            weight_map = json.load(index)["weight_map"]
-        files = sorted({os.path.join(os.path.dirname(path), shard)
-                        for name, shard in weight_map.items() if name.startswith(PREFIX_KEY)})
+        files = [os.path.join(os.path.dirname(path), shard)
+                 for shard in index_shards(path, lambda key: key.startswith(PREFIX_KEY))]
 
     def wanted(name):
         return name.startswith(PREFIX_KEY) or name == "prompt_embeddings"

@@ -86,20 +86,28 @@ def with_code(folder: Path) -> Path:
     return folder
 
 
-def build_random_checkpoints(workdir: Path, preset: str, checkpoint_dtype) -> tuple:
-    """A random checkpoint in the original layout with this repository's code, and its native twin."""
+def random_fork(folder: Path, preset: str, dtype, **from_config_kwargs):
+    """This repository's model with random weights (every one explicit: 5.x leaves initialisation to loading), built
+    from glm-4-9b-chat's config.json with `preset`'s sizes, which `folder` gets with the code files."""
     config = json.loads((REPO / "config.json").read_text())
     config.update(PRESETS[preset])
     config.update(num_hidden_layers=config["num_layers"], pad_token_id=0, eos_token_id=2)
-    fork = with_code(workdir / "fork")
-    (fork / "config.json").write_text(json.dumps(config))
-    model_config = transformers.AutoConfig.from_pretrained(fork, trust_remote_code=True)
+    with_code(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    model_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(model_config, trust_remote_code=True,
-                                                          **dtype_kwarg(checkpoint_dtype))
-    with torch.no_grad():  # every weight explicit (5.x leaves initialisation to loading)
+    model = transformers.AutoModelForCausalLM.from_config(model_config, trust_remote_code=True, **dtype_kwarg(dtype),
+                                                          **from_config_kwargs)
+    with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(torch.ones_like(param) if "layernorm" in name else torch.randn_like(param) * 0.02)
+    return model
+
+
+def build_random_checkpoints(workdir: Path, preset: str, checkpoint_dtype) -> tuple:
+    """A random checkpoint in the original layout with this repository's code, and its native twin."""
+    fork = workdir / "fork"
+    model = random_fork(fork, preset, checkpoint_dtype)
     model.save_pretrained(fork)  # config, generation config and code; the weights as the native twin's are:
     for written in fork.glob("model*.safetensors*"):  # one shard per layer, so that loading maps the same bytes
         written.unlink()
@@ -112,29 +120,13 @@ def build_in_memory(preset: str, dtype, device: str) -> dict:
     """--in-memory: both models built in device memory from the same random weights, no checkpoint written (a 9B
     model's three checkpoints cost minutes of disk I/O and most of a lent GPU machine's disk). The fork's class comes
     from a folder holding only config.json and this repository's code."""
-    config = json.loads((REPO / "config.json").read_text())
-    config.update(PRESETS[preset])
-    config.update(num_hidden_layers=config["num_layers"], pad_token_id=0, eos_token_id=2)
-    folder = with_code(Path(tempfile.mkdtemp(prefix="chatglm-benchmark-code-")) / "fork")
-    (folder / "config.json").write_text(json.dumps(config))
-    atexit.register(shutil.rmtree, folder.parent, True)
-    model_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    folder = Path(tempfile.mkdtemp(prefix="chatglm-benchmark-code-"))
+    atexit.register(shutil.rmtree, folder, True)
     with torch.device(device), default_dtype(dtype):
-        torch.manual_seed(0)
-        fork = transformers.AutoModelForCausalLM.from_config(model_config, trust_remote_code=True,
-                                                             attn_implementation="sdpa", **dtype_kwarg(dtype))
-        with torch.no_grad():
-            for name, param in fork.named_parameters():
-                param.copy_(torch.ones_like(param) if "layernorm" in name else torch.randn_like(param) * 0.02)
-        models = {"fork": fork.eval()}
+        fork = random_fork(folder / "fork", preset, dtype, attn_implementation="sdpa").eval()
+        models = {"fork": fork}
         if HAS_NATIVE:
-            native_config = native_glm.native_glm_config(fork.config)
-            native_config._attn_implementation = "sdpa"
-            native = transformers.GlmForCausalLM(native_config)
-            weights = native_glm.convert_state_dict(fork.state_dict(), fork.config)
-            missing, unexpected = native.load_state_dict(weights, strict=False)
-            assert not unexpected and all("rotary" in key for key in missing), (missing, unexpected)
-            models["native"] = native.eval()
+            models["native"] = native_glm.native_glm(fork, attn_implementation="sdpa", dtype=dtype)
     return models
 
 

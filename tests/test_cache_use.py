@@ -14,6 +14,7 @@ import torch
 from packaging.version import Version
 from transformers.cache_utils import Cache
 
+from chatglm_tools import kv_cache
 from conftest import (FAMILIES, REAL_VOCABULARY, TINY_SIZES, TRANSFORMERS, glm4v_prompt, optional_package,
                       random_images)
 
@@ -73,11 +74,6 @@ def assert_cache_used(calls: List[Forward], prompt: int, new_tokens: int, held_a
     assert [c.held for c in calls] == expected_held, calls
 
 
-def cache_keyword(cache) -> dict:
-    """The cache as a client of the installed transformers passes it: `cache=` from 5.24, `past_key_values=` before."""
-    return {"cache" if TRANSFORMERS >= Version("5.24") else "past_key_values": cache}
-
-
 def random_ids(batch, length, seed, high=256):
     return torch.randint(3, high, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -108,9 +104,9 @@ def test_generate_continues_from_a_cache_the_caller_passes(tiny_model, chatglm, 
         cache = modeling.new_static_cache(model.config, 1, 12 + NEW_TOKENS, torch.float32,
                                           [torch.device("cpu")] * model.config.num_layers)
     with torch.no_grad():
-        model(input_ids=ids[:, :8], use_cache=True, **cache_keyword(cache))
+        model(input_ids=ids[:, :8], use_cache=True, **kv_cache.argument(cache))
         with ForwardLog(model) as log:
-            continued = model.generate(ids, max_new_tokens=NEW_TOKENS, **cache_keyword(cache), **GREEDY)
+            continued = model.generate(ids, max_new_tokens=NEW_TOKENS, **kv_cache.argument(cache), **GREEDY)
         fresh = model.generate(ids, max_new_tokens=NEW_TOKENS, **GREEDY)
     assert continued.tolist() == fresh.tolist()
     assert_cache_used(log.calls, prompt=4, new_tokens=NEW_TOKENS, held_at_start=8)
@@ -222,7 +218,7 @@ def test_the_forward_takes_the_cache_under_the_releases_names(tiny_model):
     with torch.no_grad():
         full = model(input_ids=ids).logits[:, -1]
         first = model(input_ids=ids[:, :8], use_cache=True)
-        cache = first.cache if TRANSFORMERS >= Version("5.24") else first.past_key_values
+        cache = kv_cache.returned(first)
         reference = copy.deepcopy(cache)
         step = model(input_ids=ids[:, 8:], past_key_values=copy.deepcopy(reference), use_cache=True).logits[:, -1]
         torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)

@@ -78,11 +78,11 @@ def convert_state_dict(state_dict, config):
             for glm, source, rows in glm_weight_map(config, state_dict.__contains__)}
 
 
-def native_glm(model, rope_theta=None, attn_implementation="eager"):
-    """A GlmForCausalLM holding the weights of our `model`."""
+def native_glm(model, rope_theta=None, attn_implementation="eager", dtype=torch.float32):
+    """A GlmForCausalLM holding the weights of our `model`, in `dtype`, built on the default device."""
     config = native_glm_config(model.config, rope_theta)
     config._attn_implementation = attn_implementation
-    native = transformers.GlmForCausalLM(config).to(torch.float32)
+    native = transformers.GlmForCausalLM(config).to(dtype)
     missing, unexpected = native.load_state_dict(convert_state_dict(model.state_dict(), model.config), strict=False)
     assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)
     return native.eval()
