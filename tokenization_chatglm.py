@@ -1209,25 +1209,102 @@ CHATGLM2_FORM = {
 }
 
 
-def _json_field(path: str, key: str):
-    """`key` of a JSON object file, or None when the file is missing or unreadable (it is only a hint here)."""
+
+# ---- THUDM checkpoint variants: the same literal as in modeling_chatglm.py -------------------------------------------
+# Each file must work copied alone, so neither imports it from the other; tests/test_variants.py checks the two are
+# equal. This file reads `tokenizer` (which form a ChatGLMTokenizer takes) and `chat` (its chat format); the model
+# reads `rotary` and `weights`. The columns are described in modeling_chatglm.py.
+CHECKPOINT_VARIANTS = {
+    "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
+    "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", weights="float", chat="rounds",
+                            fields={"rope_ratio": 16}),
+    "chatglm2-6b-int4": dict(rotary="base", tokenizer="chatglm2", weights="int4", chat="rounds", fields={}),
+    "codegeex2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
+    "chatglm3-6b": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "chatglm3-6b-base": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "chatglm3-6b-32k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "chatglm3-6b-128k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "glm-4-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "glm-4-9b-chat": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "glm-4-9b-chat-1m": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "codegeex4-all-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "glm-4v-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+}
+
+
+def variant_named(name) -> Optional[str]:
+    """The row a checkpoint name says: the longest row name found in its last part (a Hub id's model, a folder, or
+    a Hub cache folder `models--THUDM--<model>`), in any case. None: no row is named."""
+    if not isinstance(name, str) or not name:
+        return None
+    parts = [part for part in re.split(r"[\\/]", name.lower()) if part]
+    cache = [part.split("--")[-1] for part in parts if part.startswith("models--")]
+    last = cache[-1] if cache else (parts[-1] if parts else "")
+    found = [row for row in CHECKPOINT_VARIANTS if row in last]
+    return max(found, key=len) if found else None
+
+
+def variant_of_fields(config: dict) -> Optional[str]:
+    """The row whose own config.json values `config` has (rows without such values are never found this way)."""
+    found = [row for row, columns in CHECKPOINT_VARIANTS.items()
+             if columns["fields"] and all(config.get(k) == v for k, v in columns["fields"].items())]
+    return found[0] if len(found) == 1 else None
+
+
+def _json_field(path: str, key: Optional[str] = None):
+    """`key` of a JSON object file (the object without a key), or None when the file is missing or unreadable (it is
+    only a hint here)."""
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
     except (OSError, ValueError):
         return None
-    return data.get(key) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    return data if key is None else data.get(key)
 
 
-def chatglm_family_of(vocab_file: str, requested: Optional[str] = None) -> Tuple[str, Optional[str]]:
+def _family_named(name) -> Optional[str]:
+    """The tokenizer family a name says: its CHECKPOINT_VARIANTS row's, else "chatglm2" / "chatglm3" written in it
+    (a fine-tune named after its base); None for other names (chatglm2-6b-int4's tokenizer_config.json names the
+    first-generation "THUDM/chatglm-6b", which says nothing)."""
+    row = variant_named(name)
+    if row is not None:
+        return CHECKPOINT_VARIANTS[row]["tokenizer"]
+    return next((family for family in CHATGLM_FAMILIES if isinstance(name, str) and family in name.lower()), None)
+
+
+def _family_evidence(folder: str) -> List[Tuple[str, str]]:
+    """(where, family) of every file beside tokenizer.model that says which checkpoint this is, strongest first:
+    the names in tokenizer_config.json and config.json, the variant our model wrote, the model's own fields."""
+    tokenizer_config = _json_field(os.path.join(folder, "tokenizer_config.json")) or {}
+    config = _json_field(os.path.join(folder, "config.json")) or {}
+    found = []
+    for file_name, data, key in (("tokenizer_config.json", tokenizer_config, "name_or_path"),
+                                 ("config.json", config, "chatglm_variant"), ("config.json", config, "_name_or_path")):
+        family = _family_named(data.get(key))
+        if family is not None:
+            found.append((f"{file_name}: {key} {data[key]!r}", family))
+    row = variant_of_fields(config)
+    if row is not None:
+        found.append((f"config.json: {json.dumps(CHECKPOINT_VARIANTS[row]['fields'])} ({row})",
+                      CHECKPOINT_VARIANTS[row]["tokenizer"]))
+    return found
+
+
+def chatglm_family_of(vocab_file: str, requested: Optional[str] = None, warn: bool = False
+                      ) -> Tuple[str, Optional[str]]:
     """Which checkpoint a ChatGLMTokenizer serves, "chatglm2" or "chatglm3", and the evidence (None: nothing said).
 
     The first rule that applies decides:
     1. `chatglm_family` passed to `from_pretrained` or written in tokenizer_config.json (save_pretrained writes it
        for ChatGLM2, so the form survives a save, which drops the names below).
-    2. "chatglm2" when tokenizer_config.json's `name_or_path` or config.json's `_name_or_path` (the files beside
-       tokenizer.model) contains "chatglm2", in any case: chatglm2-6b's files say "THUDM/chatglm2-6b".
+    2. The files beside tokenizer.model, strongest first (`_family_evidence`): tokenizer_config.json's
+       `name_or_path`, config.json's `chatglm_variant` and `_name_or_path` (a CHECKPOINT_VARIANTS row, or a name
+       holding "chatglm2" / "chatglm3"), config.json's fields that only one checkpoint has.
     3. "chatglm3".
+    With `warn`, evidence that says another family is named in a warning (for example a chatglm3-6b folder whose
+    tokenizer_config.json names chatglm2), as is a chat template in a folder taken as ChatGLM2 (ChatGLM2 has none).
     """
     if requested is not None:
         if requested not in CHATGLM_FAMILIES:
@@ -1237,24 +1314,24 @@ def chatglm_family_of(vocab_file: str, requested: Optional[str] = None) -> Tuple
     if not isinstance(vocab_file, (str, os.PathLike)):
         return "chatglm3", None  # no file: the tokenizer's own check names what is missing
     folder = os.path.dirname(os.path.abspath(vocab_file))
-    evidence = None
-    for file_name, key in (("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path")):
-        name = _json_field(os.path.join(folder, file_name), key)
-        if isinstance(name, str) and name:
-            if "chatglm2" in name.lower():
-                return "chatglm2", f"{file_name}: {key} {name!r}"
-            evidence = evidence or f"{file_name}: {key} {name!r}"
-    return "chatglm3", evidence
-
-
-def _warn_unnamed_checkpoint(vocab_file: str) -> None:
-    # chatglm3-6b's files carry a chat template, chatglm2-6b's do not: without names either, this may be a ChatGLM2
-    # checkpoint whose names were lost (a save_pretrained drops them).
-    logger.warning(
-        f"{vocab_file}: neither tokenizer_config.json nor config.json names the model, so this is taken as ChatGLM3's "
-        "tokenizer. For a ChatGLM2 checkpoint pass chatglm_family='chatglm2' to from_pretrained (or add "
-        "\"chatglm_family\": \"chatglm2\" to tokenizer_config.json)."
-    )
+    evidence = [(where, family) for where, family in _family_evidence(folder) if family in CHATGLM_FAMILIES]
+    names = [_json_field(os.path.join(folder, name), key) for name, key in (
+        ("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path"))]
+    if not evidence:
+        named = next((f"a name {name!r}" for name in names if isinstance(name, str) and name), None)
+        return "chatglm3", named
+    family, reason = evidence[0][1], evidence[0][0]
+    against = [where for where, other in evidence if other != family]
+    if family == "chatglm2" and (_json_field(os.path.join(folder, "tokenizer_config.json")) or {}).get(
+            "chat_template"):
+        against.append("tokenizer_config.json has a chat template (ChatGLM2's has none)")
+    if warn and against:
+        logger.warning(
+            f"{vocab_file}: taken as {family}'s tokenizer from {reason}, but {'; '.join(against)} says otherwise. "
+            f"If this checkpoint is not {family}, pass chatglm_family='chatglm2' or 'chatglm3' to from_pretrained "
+            "(or write \"chatglm_family\" in tokenizer_config.json)."
+        )
+    return family, reason
 
 
 def _require_family(tokenizer, family: str, method: str, instead: str) -> None:
@@ -1326,7 +1403,7 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
 
     def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False, chatglm_family=None,
                  **kwargs):
-        self.chatglm_family, evidence = chatglm_family_of(vocab_file, chatglm_family)
+        self.chatglm_family, evidence = chatglm_family_of(vocab_file, chatglm_family, warn=True)
         if self.chatglm_family == "chatglm2":
             for name, value in CHATGLM2_FORM.items():
                 setattr(self, name, value)
