@@ -1334,6 +1334,16 @@ def chatglm_family_of(vocab_file: str, requested: Optional[str] = None, warn: bo
     return family, reason
 
 
+def _warn_unnamed_checkpoint(vocab_file: str) -> None:
+    # chatglm3-6b's files carry a chat template, chatglm2-6b's do not: without names either, this may be a ChatGLM2
+    # checkpoint whose names were lost (a save_pretrained drops them).
+    logger.warning(
+        f"{vocab_file}: neither tokenizer_config.json nor config.json names the model, so this is taken as ChatGLM3's "
+        "tokenizer. For a ChatGLM2 checkpoint pass chatglm_family='chatglm2' to from_pretrained (or add "
+        "\"chatglm_family\": \"chatglm2\" to tokenizer_config.json)."
+    )
+
+
 def _require_family(tokenizer, family: str, method: str, instead: str) -> None:
     if tokenizer.chatglm_family != family:
         names = {"chatglm2": "ChatGLM2", "chatglm3": "ChatGLM3"}
