@@ -21,7 +21,13 @@ Where to change what (section: names):
                                 `device_boundary`, and `LayerInputs` (Attention) copies per-layer inputs per device
   a device map, or its checks   Devices: `balanced_device_map`, `check_device_map`, `check_devices_exist`
   a new transformers release    Compatibility shims: one flag or function per change, naming the release
-  a new checkpoint variant      Config, sizes and checks: `check_supported`, `complete_original_config`, and
+  a new THUDM checkpoint        Config, sizes and checks: one row of `CHECKPOINT_VARIANTS` (rotary reading,
+                                tokenizer family, weight storage, chat format, identifying fields), the same row in
+                                tokenization_chatglm.py's copy (each file must work copied alone, so the table is
+                                kept twice and tests/test_variants.py checks the copies are equal), and its golden
+                                case in tests/conftest.py's GOLDEN_CASES; which row a config is: `checkpoint_variant`
+  what this file reads of it    `rotary_reading` (RotaryEmbedding), `weight_storage` (quantization_bit)
+  a new config field or check   Config, sizes and checks: `check_supported`, `complete_original_config`, and
                                 configuration_chatglm.py (its fields and validation)
   P-tuning v2 prefixes          P-tuning v2 prefix: `enter_prefix` (the seam), `PrefixEncoder`
   GLM-4V images                 visual.py: `EVA2CLIPModel.splice` (the seam); here `vision_tower`, `enter_vision`
@@ -529,7 +535,7 @@ def checkpoint_variant(config) -> Optional[str]:
     disagreeing = [(where, row) for where, row in evidence
                    if CHECKPOINT_VARIANTS[row]["rotary"] != CHECKPOINT_VARIANTS[chosen]["rotary"]]
     if disagreeing or (chosen is not None and not named and CHECKPOINT_VARIANTS[chosen]["rotary"] != "base"):
-        logger.warning(
+        logger.warning_once(  # once: from_pretrained builds the model more than once (device-map and dtype checks)
             f"This checkpoint is taken as {chosen} (rotary: {CHECKPOINT_VARIANTS[chosen]['rotary']}) from "
             f"{'; '.join(f'{where}: {row}' for where, row in evidence)}. The rotary embedding of these checkpoints "
             "differs: if that is not the checkpoint, set \"chatglm_variant\" in config.json to the right one of "

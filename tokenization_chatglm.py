@@ -1,8 +1,8 @@
 """Tokenizers of GLM-4 (`ChatGLM4Tokenizer`) and ChatGLM3 / ChatGLM2 (`ChatGLMTokenizer`).
 
 This file replaces the `tokenization_chatglm.py` of a downloaded glm-4-9b-chat / glm-4-9b / glm-4-9b-chat-1m,
-chatglm3-6b or chatglm2-6b checkpoint: copy it over the original and load the folder as before,
-`AutoTokenizer.from_pretrained(folder, trust_remote_code=True)`. The folder's own `tokenizer.model` and
+chatglm3-6b or chatglm2-6b (-32k, -int4, codegeex2-6b) checkpoint: copy it over the original and load the folder
+as before, `AutoTokenizer.from_pretrained(folder, trust_remote_code=True)`. The folder's own `tokenizer.model` and
 `tokenizer_config.json` are used unchanged. It runs on transformers 4.44 up to 5.x.
 
 Token ids are the originals' wherever the originals were right. What differs, on purpose:
@@ -35,12 +35,13 @@ Token ids are the originals' wherever the originals were right. What differs, on
   `position_ids`.
 * A pair encodes as `[gMASK] <sop> A B <eos>` (GLM-4 raised KeyError('<eos>')).
 * ChatGLM3: `len(tokenizer) == vocab_size == 64798`, and all 9 control tokens are special tokens.
-* ChatGLM2 (chatglm2-6b ships the same tokenizer.model and class name): `ChatGLMTokenizer` takes the original
-  chatglm2-6b tokenizer's form when the checkpoint's files name chatglm2 or `chatglm_family="chatglm2"` is passed
-  (`chatglm_family_of`): 5 control tokens (vocab_size 64794), special-token text always stays text, control tokens
-  and <unk>/<s>/</s> decode to "", `build_prompt` and ChatGLM2's rounds as its chat format. Fixed there:
-  `len(tokenizer) == vocab_size`, ids past the vocabulary decode to "" (the original raised IndexError), right
-  padding, `return_attention_mask=False`.
+* ChatGLM2 (chatglm2-6b, -32k, -int4 and codegeex2-6b ship a tokenizer.model of the same pieces and class name):
+  `ChatGLMTokenizer` takes the original chatglm2-6b tokenizer's form when the checkpoint's files say so (a name or
+  field of a ChatGLM2 row of `CHECKPOINT_VARIANTS`) or `chatglm_family="chatglm2"` is passed (`chatglm_family_of`;
+  evidence that contradicts the choice is named in a warning): 5 control tokens (vocab_size 64794), special-token
+  text always stays text, control tokens and <unk>/<s>/</s> decode to "", `build_prompt` and ChatGLM2's rounds as
+  its chat format. Fixed there: `len(tokenizer) == vocab_size`, ids past the vocabulary decode to "" (the original
+  raised IndexError), right padding, `return_attention_mask=False`.
 * GLM-4 encodes whitespace runs of any length (tiktoken's regex engine gives up on about a million blanks).
 * A missing or damaged `tokenizer.model` raises an error naming the file (and, for GLM-4's text file, the line);
   a file that reads well but differs from the released one logs a warning. Text that is not a `str` raises TypeError.
@@ -56,7 +57,12 @@ Where to change what (section: names):
   special-token parsing         Shared tokenizer logic: `_SpecialTokenParsing` (`tokenize`, `split_special_tokens`)
   padding, position ids, pairs  Shared tokenizer logic: `_SequenceLayout` (`_pad`, `build_inputs_with_special_tokens`)
   decode                        Shared tokenizer logic: `_Decoding`; each family's `_decode_run`
-  ChatGLM2 or ChatGLM3          ChatGLM3: `chatglm_family_of` (the rule), `CHATGLM2_FORM`, `build_prompt`
+  ChatGLM2 or ChatGLM3          ChatGLM3: `chatglm_family_of` (the rule), `_family_evidence` (what the files say),
+                                `CHATGLM2_FORM`, `build_prompt`
+  a new THUDM checkpoint        ChatGLM3: one row of `CHECKPOINT_VARIANTS` (its `tokenizer` and `chat` columns are
+                                this file's); the same row in modeling_chatglm.py's copy, which describes the
+                                columns (each file must work copied alone: tests/test_variants.py checks the copies
+                                are equal)
   a new checkpoint variant      the family's section: GLM-4 `read_tiktoken_ranks` (tokenizer.model's ranks),
                                 ChatGLM3 `_SentencePieceModel`; the vocabulary checks `_check_unfamiliar_ranks`
   GLM-4V images                 GLM-4V: `_ChatImages`, `image_to_pixels`
@@ -1264,6 +1270,10 @@ def _json_field(path: str, key: Optional[str] = None):
     return data if key is None else data.get(key)
 
 
+# The chat format of each tokenizer family (a function of it: tests/test_variants.py checks it row by row).
+FAMILY_CHAT = {columns["tokenizer"]: columns["chat"] for columns in CHECKPOINT_VARIANTS.values()}
+
+
 def _family_named(name) -> Optional[str]:
     """The tokenizer family a name says: its CHECKPOINT_VARIANTS row's, else "chatglm2" / "chatglm3" written in it
     (a fine-tune named after its base); None for other names (chatglm2-6b-int4's tokenizer_config.json names the
@@ -1391,8 +1401,9 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
     """ChatGLM3 tokenizer: SentencePiece (64789 pieces) plus 9 control tokens at ids 64789..64797; for a ChatGLM2
     checkpoint, the original chatglm2-6b tokenizer (5 control tokens, 64789..64793, see CHATGLM2_FORM).
 
-    Which one: `chatglm_family_of` ("chatglm2" when the checkpoint's tokenizer_config.json or config.json names
-    chatglm2, else "chatglm3"); `from_pretrained(..., chatglm_family="chatglm2")` or the same key in
+    Which one: `chatglm_family_of` ("chatglm2" when the checkpoint's tokenizer_config.json or config.json names a
+    ChatGLM2 checkpoint (chatglm2-6b, -32k, -int4, codegeex2-6b) or has its fields, else "chatglm3");
+    `from_pretrained(..., chatglm_family="chatglm2")` or the same key in
     tokenizer_config.json chooses explicitly. The choice is the attribute `chatglm_family`.
     """
 
@@ -1554,9 +1565,14 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
         return self.pad({"input_ids": [self._ids_of_turns(turns, add_generation_prompt=True)]},
                         return_tensors=return_tensors)
 
+    @property
+    def _chat_rounds(self) -> bool:
+        """Whether this tokenizer's chat is ChatGLM2's rounds (the table's `chat` column), else ChatGLM3's roles."""
+        return FAMILY_CHAT[self.chatglm_family] == "rounds"
+
     def _uses_builtin_chat_format(self, chat_template: Optional[str]) -> bool:
         template = self.chat_template if chat_template is None else chat_template
-        if self.chatglm_family == "chatglm2":
+        if self._chat_rounds:
             return template is None
         return template is None or (
             isinstance(template, str)
@@ -1564,13 +1580,13 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
         )
 
     def _builtin_chat_text(self, conversation, add_generation_prompt: bool) -> str:
-        if self.chatglm_family == "chatglm2":
+        if self._chat_rounds:
             # ChatGLM2's rounds; the last user message's round ends with "答：" (the format has no other marker).
             return "\n\n".join(_chatglm2_rounds_of(conversation, "conversation"))
         return self._text_of_turns(self._turns(conversation, "conversation"), add_generation_prompt)
 
     def _builtin_chat_ids(self, conversation, add_generation_prompt: bool) -> List[int]:
-        if self.chatglm_family == "chatglm2":  # as build_inputs encodes build_prompt's text
+        if self._chat_rounds:  # as build_inputs encodes build_prompt's text
             return self.encode(self._builtin_chat_text(conversation, add_generation_prompt))
         return self._ids_of_turns(self._turns(conversation, "conversation"), add_generation_prompt)
 
