@@ -528,7 +528,8 @@ def checkpoint_variant(config) -> Optional[str]:
     named = [(where, row) for where, row in (
         ("config.json's _name_or_path", variant_named(stored.get("_name_or_path"))),
         ("the name loaded from", variant_named(getattr(config, "_name_or_path", None)))) if row]
-    by_fields = variant_of_fields({name: getattr(config, name, None) for name in ("rope_ratio", "quantization_bit")})
+    by_fields = variant_of_fields({name: getattr(config, name, None)
+                                   for columns in CHECKPOINT_VARIANTS.values() for name in columns["fields"]})
     chosen = named[0][1] if named else by_fields
     evidence = named + ([("its fields " + json.dumps(CHECKPOINT_VARIANTS[by_fields]["fields"]), by_fields)]
                         if by_fields else [])

@@ -1325,11 +1325,10 @@ def chatglm_family_of(vocab_file: str, requested: Optional[str] = None, warn: bo
         return "chatglm3", None  # no file: the tokenizer's own check names what is missing
     folder = os.path.dirname(os.path.abspath(vocab_file))
     evidence = [(where, family) for where, family in _family_evidence(folder) if family in CHATGLM_FAMILIES]
-    names = [_json_field(os.path.join(folder, name), key) for name, key in (
-        ("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path"))]
-    if not evidence:
-        named = next((f"a name {name!r}" for name in names if isinstance(name, str) and name), None)
-        return "chatglm3", named
+    if not evidence:  # a name of no known checkpoint still says the files were named (no warning about names)
+        names = [_json_field(os.path.join(folder, name), key) for name, key in (
+            ("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path"))]
+        return "chatglm3", next((f"a name {name!r}" for name in names if isinstance(name, str) and name), None)
     family, reason = evidence[0][1], evidence[0][0]
     against = [where for where, other in evidence if other != family]
     if family == "chatglm2" and (_json_field(os.path.join(folder, "tokenizer_config.json")) or {}).get(
