@@ -21,7 +21,13 @@ Where to change what (section: names):
                                 `device_boundary`, and `LayerInputs` (Attention) copies per-layer inputs per device
   a device map, or its checks   Devices: `balanced_device_map`, `check_device_map`, `check_devices_exist`
   a new transformers release    Compatibility shims: one flag or function per change, naming the release
-  a new checkpoint variant      Config, sizes and checks: `check_supported`, `complete_original_config`, and
+  a new THUDM checkpoint        Config, sizes and checks: one row of `CHECKPOINT_VARIANTS` (rotary reading,
+                                tokenizer family, weight storage, chat format, identifying fields), the same row in
+                                tokenization_chatglm.py's copy (each file must work copied alone, so the table is
+                                kept twice and tests/test_variants.py checks the copies are equal), and its golden
+                                case in tests/conftest.py's GOLDEN_CASES; which row a config is: `checkpoint_variant`
+  what this file reads of it    `rotary_reading` (RotaryEmbedding), `weight_storage` (quantization_bit)
+  a new config field or check   Config, sizes and checks: `check_supported`, `complete_original_config`, and
                                 configuration_chatglm.py (its fields and validation)
   P-tuning v2 prefixes          P-tuning v2 prefix: `enter_prefix` (the seam), `PrefixEncoder`
   GLM-4V images                 visual.py: `EVA2CLIPModel.splice` (the seam); here `vision_tower`, `enter_vision`
@@ -441,6 +447,119 @@ def check_fits_in_memory(config: ChatGLMConfig):
             f"weights on {device}: check num_layers ({config.num_layers}), hidden_size, ffn_hidden_size and "
             "padded_vocab_size in config.json, or load with device_map / a smaller dtype."
         )
+
+
+# ---- THUDM checkpoint variants -----------------------------------------------------------------------------------
+# What differs per released checkpoint, one row each. The same literal is in tokenization_chatglm.py (each file must
+# work copied alone, so neither imports it from the other; tests/test_variants.py checks the two are equal). This file
+# reads `rotary` (and `weights` through `weight_storage`), the tokenizer reads `tokenizer` and `chat`. Columns:
+#   rotary     how rope_ratio is read: "base" rotates with the base 10000 * rope_ratio (ChatGLM3, GLM-4),
+#              "positions" divides the positions by rope_ratio with the base 10000 (chatglm2-6b-32k's own code)
+#   tokenizer  "chatglm2" (5 control tokens, build_prompt), "chatglm3" (role tokens), "glm4" (ChatGLM4Tokenizer)
+#   weights    the storage as released: "float", or "int4" / "int8" (config.json's quantization_bit)
+#   chat       "rounds" (ChatGLM2's build_prompt), "roles" (ChatGLM3's build_chat_input), "template" (GLM-4's)
+#   fields     config.json values that only this checkpoint has (evidence when its name is lost); the name itself,
+#              the row's key, is evidence in config.json's _name_or_path and tokenizer_config.json's name_or_path
+# Adding a checkpoint: one row here and in tokenization_chatglm.py, and its golden case (tests/conftest.py).
+CHECKPOINT_VARIANTS = {
+    "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
+    "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", weights="float", chat="rounds",
+                            fields={"rope_ratio": 16}),
+    "chatglm2-6b-int4": dict(rotary="base", tokenizer="chatglm2", weights="int4", chat="rounds", fields={}),
+    "codegeex2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
+    "chatglm3-6b": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "chatglm3-6b-base": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "chatglm3-6b-32k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "chatglm3-6b-128k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "glm-4-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "glm-4-9b-chat": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "glm-4-9b-chat-1m": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "codegeex4-all-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "glm-4v-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+}
+
+
+def variant_named(name) -> Optional[str]:
+    """The row a checkpoint name says: the longest row name found in its last part (a Hub id's model, a folder, or
+    a Hub cache folder `models--THUDM--<model>`), in any case. None: no row is named."""
+    if not isinstance(name, str) or not name:
+        return None
+    parts = [part for part in re.split(r"[\\/]", name.lower()) if part]
+    cache = [part.split("--")[-1] for part in parts if part.startswith("models--")]
+    last = cache[-1] if cache else (parts[-1] if parts else "")
+    found = [row for row in CHECKPOINT_VARIANTS if row in last]
+    return max(found, key=len) if found else None
+
+
+def variant_of_fields(config: dict) -> Optional[str]:
+    """The row whose own config.json values `config` has (rows without such values are never found this way)."""
+    found = [row for row, columns in CHECKPOINT_VARIANTS.items()
+             if columns["fields"] and all(config.get(k) == v for k, v in columns["fields"].items())]
+    return found[0] if len(found) == 1 else None
+
+
+def config_file_fields(config) -> dict:
+    """config.json as the checkpoint folder holds it (from_pretrained sets `_name_or_path` to the folder, which
+    drops the name config.json gives), or {} when the config does not come from a local folder."""
+    folder = getattr(config, "_name_or_path", None)
+    path = os.path.join(folder, "config.json") if isinstance(folder, str) and folder else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def checkpoint_variant(config) -> Optional[str]:
+    """Which THUDM checkpoint `config` describes (a CHECKPOINT_VARIANTS row), or None: `chatglm_variant` when set
+    (written by save_pretrained where it matters, or by hand), else the names (config.json's `_name_or_path`, the
+    folder or Hub id loaded from), else the fields only one checkpoint has. Evidence that contradicts the choice
+    is named in a warning."""
+    chosen = getattr(config, "chatglm_variant", None)
+    if chosen is not None:
+        if chosen not in CHECKPOINT_VARIANTS:
+            raise ValueError(f"config.chatglm_variant={chosen!r} is not a THUDM checkpoint this code knows: use one of "
+                             f"{', '.join(CHECKPOINT_VARIANTS)}, or remove it to read the checkpoint's names.")
+        return chosen
+    stored = config_file_fields(config)
+    named = [(where, row) for where, row in (
+        ("config.json's _name_or_path", variant_named(stored.get("_name_or_path"))),
+        ("the name loaded from", variant_named(getattr(config, "_name_or_path", None)))) if row]
+    by_fields = variant_of_fields({name: getattr(config, name, None)
+                                   for columns in CHECKPOINT_VARIANTS.values() for name in columns["fields"]})
+    chosen = named[0][1] if named else by_fields
+    evidence = named + ([("its fields " + json.dumps(CHECKPOINT_VARIANTS[by_fields]["fields"]), by_fields)]
+                        if by_fields else [])
+    disagreeing = [(where, row) for where, row in evidence
+                   if CHECKPOINT_VARIANTS[row]["rotary"] != CHECKPOINT_VARIANTS[chosen]["rotary"]]
+    if disagreeing or (chosen is not None and not named and CHECKPOINT_VARIANTS[chosen]["rotary"] != "base"):
+        logger.warning_once(  # once: from_pretrained builds the model more than once (device-map and dtype checks)
+            f"This checkpoint is taken as {chosen} (rotary: {CHECKPOINT_VARIANTS[chosen]['rotary']}) from "
+            f"{'; '.join(f'{where}: {row}' for where, row in evidence)}. The rotary embedding of these checkpoints "
+            "differs: if that is not the checkpoint, set \"chatglm_variant\" in config.json to the right one of "
+            f"{', '.join(CHECKPOINT_VARIANTS)}."
+        )
+    return chosen
+
+
+def rotary_reading(config) -> str:
+    """How this checkpoint's rope_ratio is read ("base" or "positions", see CHECKPOINT_VARIANTS). A "positions"
+    checkpoint keeps the fact in config.chatglm_variant, so that save_pretrained (which drops the names) keeps it."""
+    variant = checkpoint_variant(config)
+    reading = CHECKPOINT_VARIANTS[variant]["rotary"] if variant else "base"
+    if reading != "base":
+        config.chatglm_variant = variant
+    return reading
+
+
+def weight_storage(config) -> str:
+    """How the weights are stored: "float", or "int4" / "int8" for a pre-quantized checkpoint (quantization_bit)."""
+    bits = getattr(config, "quantization_bit", 0) or 0
+    return f"int{bits}" if bits else "float"
+
 
 
 # Fields every ChatGLM2/3 and GLM-4 configuration class defines; the others this file reads have defaults.
@@ -1033,12 +1152,17 @@ def record_image_rows(cache: Cache, rows: int):
 
 class RotaryEmbedding(nn.Module):
     """GLM's rotary embedding: the first half of each head's channels turns, as interleaved pairs, with the base
-    10000 * rope_ratio."""
+    10000 * rope_ratio; chatglm2-6b-32k divides the positions by rope_ratio instead (`rotary_reading`). Every
+    rotary table of the model (cached steps, static cache, device maps, tensor parallelism, P-tuning) is this
+    module's."""
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
         self.rotary_channels = config.kv_channels // 2
-        self.base = 10000.0 * getattr(config, "rope_ratio", 1)  # chatglm3-6b's original config has no rope_ratio
+        rope_ratio = getattr(config, "rope_ratio", 1)  # chatglm3-6b's original config has no rope_ratio
+        divides_positions = rotary_reading(config) == "positions"
+        self.base = 10000.0 * (1 if divides_positions else rope_ratio)
+        self.position_divisor = float(rope_ratio) if divides_positions else 1.0
         # Checkpoints store `inv_freq` (always with base 10000); the original never reads its values and neither do
         # we: it keeps the state-dict key and marks the device the rotary table is computed on.
         self.register_buffer("inv_freq", self.checkpoint_inv_freq(), persistent=True)
@@ -1059,7 +1183,10 @@ class RotaryEmbedding(nn.Module):
         """cos and sin for `position_ids` [batch, seq]: [batch, 1, seq, rotary_channels], repeated per pair."""
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=position_ids.device)
         theta = 1.0 / (self.base ** (steps / self.rotary_channels))
-        angles = position_ids[..., None].float() * theta
+        positions = position_ids[..., None].float()
+        if self.position_divisor != 1.0:  # position interpolation (chatglm2-6b-32k)
+            positions = positions / self.position_divisor
+        angles = positions * theta
         cos = angles.cos().repeat_interleave(2, dim=-1)[:, None]
         sin = angles.sin().repeat_interleave(2, dim=-1)[:, None]
         return cos.to(dtype), sin.to(dtype)

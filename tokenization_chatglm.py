@@ -1,8 +1,8 @@
 """Tokenizers of GLM-4 (`ChatGLM4Tokenizer`) and ChatGLM3 / ChatGLM2 (`ChatGLMTokenizer`).
 
 This file replaces the `tokenization_chatglm.py` of a downloaded glm-4-9b-chat / glm-4-9b / glm-4-9b-chat-1m,
-chatglm3-6b or chatglm2-6b checkpoint: copy it over the original and load the folder as before,
-`AutoTokenizer.from_pretrained(folder, trust_remote_code=True)`. The folder's own `tokenizer.model` and
+chatglm3-6b or chatglm2-6b (-32k, -int4, codegeex2-6b) checkpoint: copy it over the original and load the folder
+as before, `AutoTokenizer.from_pretrained(folder, trust_remote_code=True)`. The folder's own `tokenizer.model` and
 `tokenizer_config.json` are used unchanged. It runs on transformers 4.44 up to 5.x.
 
 Token ids are the originals' wherever the originals were right. What differs, on purpose:
@@ -35,12 +35,13 @@ Token ids are the originals' wherever the originals were right. What differs, on
   `position_ids`.
 * A pair encodes as `[gMASK] <sop> A B <eos>` (GLM-4 raised KeyError('<eos>')).
 * ChatGLM3: `len(tokenizer) == vocab_size == 64798`, and all 9 control tokens are special tokens.
-* ChatGLM2 (chatglm2-6b ships the same tokenizer.model and class name): `ChatGLMTokenizer` takes the original
-  chatglm2-6b tokenizer's form when the checkpoint's files name chatglm2 or `chatglm_family="chatglm2"` is passed
-  (`chatglm_family_of`): 5 control tokens (vocab_size 64794), special-token text always stays text, control tokens
-  and <unk>/<s>/</s> decode to "", `build_prompt` and ChatGLM2's rounds as its chat format. Fixed there:
-  `len(tokenizer) == vocab_size`, ids past the vocabulary decode to "" (the original raised IndexError), right
-  padding, `return_attention_mask=False`.
+* ChatGLM2 (chatglm2-6b, -32k, -int4 and codegeex2-6b ship a tokenizer.model of the same pieces and class name):
+  `ChatGLMTokenizer` takes the original chatglm2-6b tokenizer's form when the checkpoint's files say so (a name or
+  field of a ChatGLM2 row of `CHECKPOINT_VARIANTS`) or `chatglm_family="chatglm2"` is passed (`chatglm_family_of`;
+  evidence that contradicts the choice is named in a warning): 5 control tokens (vocab_size 64794), special-token
+  text always stays text, control tokens and <unk>/<s>/</s> decode to "", `build_prompt` and ChatGLM2's rounds as
+  its chat format. Fixed there: `len(tokenizer) == vocab_size`, ids past the vocabulary decode to "" (the original
+  raised IndexError), right padding, `return_attention_mask=False`.
 * GLM-4 encodes whitespace runs of any length (tiktoken's regex engine gives up on about a million blanks).
 * A missing or damaged `tokenizer.model` raises an error naming the file (and, for GLM-4's text file, the line);
   a file that reads well but differs from the released one logs a warning. Text that is not a `str` raises TypeError.
@@ -56,7 +57,12 @@ Where to change what (section: names):
   special-token parsing         Shared tokenizer logic: `_SpecialTokenParsing` (`tokenize`, `split_special_tokens`)
   padding, position ids, pairs  Shared tokenizer logic: `_SequenceLayout` (`_pad`, `build_inputs_with_special_tokens`)
   decode                        Shared tokenizer logic: `_Decoding`; each family's `_decode_run`
-  ChatGLM2 or ChatGLM3          ChatGLM3: `chatglm_family_of` (the rule), `CHATGLM2_FORM`, `build_prompt`
+  ChatGLM2 or ChatGLM3          ChatGLM3: `chatglm_family_of` (the rule), `_family_evidence` (what the files say),
+                                `CHATGLM2_FORM`, `build_prompt`
+  a new THUDM checkpoint        ChatGLM3: one row of `CHECKPOINT_VARIANTS` (its `tokenizer` and `chat` columns are
+                                this file's); the same row in modeling_chatglm.py's copy, which describes the
+                                columns (each file must work copied alone: tests/test_variants.py checks the copies
+                                are equal)
   a new checkpoint variant      the family's section: GLM-4 `read_tiktoken_ranks` (tokenizer.model's ranks),
                                 ChatGLM3 `_SentencePieceModel`; the vocabulary checks `_check_unfamiliar_ranks`
   GLM-4V images                 GLM-4V: `_ChatImages`, `image_to_pixels`
@@ -1209,25 +1215,106 @@ CHATGLM2_FORM = {
 }
 
 
-def _json_field(path: str, key: str):
-    """`key` of a JSON object file, or None when the file is missing or unreadable (it is only a hint here)."""
+
+# ---- THUDM checkpoint variants: the same literal as in modeling_chatglm.py -------------------------------------------
+# Each file must work copied alone, so neither imports it from the other; tests/test_variants.py checks the two are
+# equal. This file reads `tokenizer` (which form a ChatGLMTokenizer takes) and `chat` (its chat format); the model
+# reads `rotary` and `weights`. The columns are described in modeling_chatglm.py.
+CHECKPOINT_VARIANTS = {
+    "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
+    "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", weights="float", chat="rounds",
+                            fields={"rope_ratio": 16}),
+    "chatglm2-6b-int4": dict(rotary="base", tokenizer="chatglm2", weights="int4", chat="rounds", fields={}),
+    "codegeex2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
+    "chatglm3-6b": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "chatglm3-6b-base": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "chatglm3-6b-32k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "chatglm3-6b-128k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
+    "glm-4-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "glm-4-9b-chat": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "glm-4-9b-chat-1m": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "codegeex4-all-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "glm-4v-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+}
+
+
+def variant_named(name) -> Optional[str]:
+    """The row a checkpoint name says: the longest row name found in its last part (a Hub id's model, a folder, or
+    a Hub cache folder `models--THUDM--<model>`), in any case. None: no row is named."""
+    if not isinstance(name, str) or not name:
+        return None
+    parts = [part for part in re.split(r"[\\/]", name.lower()) if part]
+    cache = [part.split("--")[-1] for part in parts if part.startswith("models--")]
+    last = cache[-1] if cache else (parts[-1] if parts else "")
+    found = [row for row in CHECKPOINT_VARIANTS if row in last]
+    return max(found, key=len) if found else None
+
+
+def variant_of_fields(config: dict) -> Optional[str]:
+    """The row whose own config.json values `config` has (rows without such values are never found this way)."""
+    found = [row for row, columns in CHECKPOINT_VARIANTS.items()
+             if columns["fields"] and all(config.get(k) == v for k, v in columns["fields"].items())]
+    return found[0] if len(found) == 1 else None
+
+
+def _json_field(path: str, key: Optional[str] = None):
+    """`key` of a JSON object file (the object without a key), or None when the file is missing or unreadable (it is
+    only a hint here)."""
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
     except (OSError, ValueError):
         return None
-    return data.get(key) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    return data if key is None else data.get(key)
 
 
-def chatglm_family_of(vocab_file: str, requested: Optional[str] = None) -> Tuple[str, Optional[str]]:
+# The chat format of each tokenizer family (a function of it: tests/test_variants.py checks it row by row).
+FAMILY_CHAT = {columns["tokenizer"]: columns["chat"] for columns in CHECKPOINT_VARIANTS.values()}
+
+
+def _family_named(name) -> Optional[str]:
+    """The tokenizer family a name says: its CHECKPOINT_VARIANTS row's, else "chatglm2" / "chatglm3" written in it
+    (a fine-tune named after its base); None for other names (chatglm2-6b-int4's tokenizer_config.json names the
+    first-generation "THUDM/chatglm-6b", which says nothing)."""
+    row = variant_named(name)
+    if row is not None:
+        return CHECKPOINT_VARIANTS[row]["tokenizer"]
+    return next((family for family in CHATGLM_FAMILIES if isinstance(name, str) and family in name.lower()), None)
+
+
+def _family_evidence(folder: str) -> List[Tuple[str, str]]:
+    """(where, family) of every file beside tokenizer.model that says which checkpoint this is, strongest first:
+    the names in tokenizer_config.json and config.json, the variant our model wrote, the model's own fields."""
+    tokenizer_config = _json_field(os.path.join(folder, "tokenizer_config.json")) or {}
+    config = _json_field(os.path.join(folder, "config.json")) or {}
+    found = []
+    for file_name, data, key in (("tokenizer_config.json", tokenizer_config, "name_or_path"),
+                                 ("config.json", config, "chatglm_variant"), ("config.json", config, "_name_or_path")):
+        family = _family_named(data.get(key))
+        if family is not None:
+            found.append((f"{file_name}: {key} {data[key]!r}", family))
+    row = variant_of_fields(config)
+    if row is not None:
+        found.append((f"config.json: {json.dumps(CHECKPOINT_VARIANTS[row]['fields'])} ({row})",
+                      CHECKPOINT_VARIANTS[row]["tokenizer"]))
+    return found
+
+
+def chatglm_family_of(vocab_file: str, requested: Optional[str] = None, warn: bool = False
+                      ) -> Tuple[str, Optional[str]]:
     """Which checkpoint a ChatGLMTokenizer serves, "chatglm2" or "chatglm3", and the evidence (None: nothing said).
 
     The first rule that applies decides:
     1. `chatglm_family` passed to `from_pretrained` or written in tokenizer_config.json (save_pretrained writes it
        for ChatGLM2, so the form survives a save, which drops the names below).
-    2. "chatglm2" when tokenizer_config.json's `name_or_path` or config.json's `_name_or_path` (the files beside
-       tokenizer.model) contains "chatglm2", in any case: chatglm2-6b's files say "THUDM/chatglm2-6b".
+    2. The files beside tokenizer.model, strongest first (`_family_evidence`): tokenizer_config.json's
+       `name_or_path`, config.json's `chatglm_variant` and `_name_or_path` (a CHECKPOINT_VARIANTS row, or a name
+       holding "chatglm2" / "chatglm3"), config.json's fields that only one checkpoint has.
     3. "chatglm3".
+    With `warn`, evidence that says another family is named in a warning (for example a chatglm3-6b folder whose
+    tokenizer_config.json names chatglm2), as is a chat template in a folder taken as ChatGLM2 (ChatGLM2 has none).
     """
     if requested is not None:
         if requested not in CHATGLM_FAMILIES:
@@ -1237,14 +1324,23 @@ def chatglm_family_of(vocab_file: str, requested: Optional[str] = None) -> Tuple
     if not isinstance(vocab_file, (str, os.PathLike)):
         return "chatglm3", None  # no file: the tokenizer's own check names what is missing
     folder = os.path.dirname(os.path.abspath(vocab_file))
-    evidence = None
-    for file_name, key in (("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path")):
-        name = _json_field(os.path.join(folder, file_name), key)
-        if isinstance(name, str) and name:
-            if "chatglm2" in name.lower():
-                return "chatglm2", f"{file_name}: {key} {name!r}"
-            evidence = evidence or f"{file_name}: {key} {name!r}"
-    return "chatglm3", evidence
+    evidence = [(where, family) for where, family in _family_evidence(folder) if family in CHATGLM_FAMILIES]
+    if not evidence:  # a name of no known checkpoint still says the files were named (no warning about names)
+        names = [_json_field(os.path.join(folder, name), key) for name, key in (
+            ("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path"))]
+        return "chatglm3", next((f"a name {name!r}" for name in names if isinstance(name, str) and name), None)
+    family, reason = evidence[0][1], evidence[0][0]
+    against = [where for where, other in evidence if other != family]
+    if family == "chatglm2" and (_json_field(os.path.join(folder, "tokenizer_config.json")) or {}).get(
+            "chat_template"):
+        against.append("tokenizer_config.json has a chat template (ChatGLM2's has none)")
+    if warn and against:
+        logger.warning(
+            f"{vocab_file}: taken as {family}'s tokenizer from {reason}, but {'; '.join(against)} says otherwise. "
+            f"If this checkpoint is not {family}, pass chatglm_family='chatglm2' or 'chatglm3' to from_pretrained "
+            "(or write \"chatglm_family\" in tokenizer_config.json)."
+        )
+    return family, reason
 
 
 def _warn_unnamed_checkpoint(vocab_file: str) -> None:
@@ -1304,8 +1400,9 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
     """ChatGLM3 tokenizer: SentencePiece (64789 pieces) plus 9 control tokens at ids 64789..64797; for a ChatGLM2
     checkpoint, the original chatglm2-6b tokenizer (5 control tokens, 64789..64793, see CHATGLM2_FORM).
 
-    Which one: `chatglm_family_of` ("chatglm2" when the checkpoint's tokenizer_config.json or config.json names
-    chatglm2, else "chatglm3"); `from_pretrained(..., chatglm_family="chatglm2")` or the same key in
+    Which one: `chatglm_family_of` ("chatglm2" when the checkpoint's tokenizer_config.json or config.json names a
+    ChatGLM2 checkpoint (chatglm2-6b, -32k, -int4, codegeex2-6b) or has its fields, else "chatglm3");
+    `from_pretrained(..., chatglm_family="chatglm2")` or the same key in
     tokenizer_config.json chooses explicitly. The choice is the attribute `chatglm_family`.
     """
 
@@ -1326,7 +1423,7 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
 
     def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False, chatglm_family=None,
                  **kwargs):
-        self.chatglm_family, evidence = chatglm_family_of(vocab_file, chatglm_family)
+        self.chatglm_family, evidence = chatglm_family_of(vocab_file, chatglm_family, warn=True)
         if self.chatglm_family == "chatglm2":
             for name, value in CHATGLM2_FORM.items():
                 setattr(self, name, value)
@@ -1467,9 +1564,14 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
         return self.pad({"input_ids": [self._ids_of_turns(turns, add_generation_prompt=True)]},
                         return_tensors=return_tensors)
 
+    @property
+    def _chat_rounds(self) -> bool:
+        """Whether this tokenizer's chat is ChatGLM2's rounds (the table's `chat` column), else ChatGLM3's roles."""
+        return FAMILY_CHAT[self.chatglm_family] == "rounds"
+
     def _uses_builtin_chat_format(self, chat_template: Optional[str]) -> bool:
         template = self.chat_template if chat_template is None else chat_template
-        if self.chatglm_family == "chatglm2":
+        if self._chat_rounds:
             return template is None
         return template is None or (
             isinstance(template, str)
@@ -1477,13 +1579,13 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
         )
 
     def _builtin_chat_text(self, conversation, add_generation_prompt: bool) -> str:
-        if self.chatglm_family == "chatglm2":
+        if self._chat_rounds:
             # ChatGLM2's rounds; the last user message's round ends with "答：" (the format has no other marker).
             return "\n\n".join(_chatglm2_rounds_of(conversation, "conversation"))
         return self._text_of_turns(self._turns(conversation, "conversation"), add_generation_prompt)
 
     def _builtin_chat_ids(self, conversation, add_generation_prompt: bool) -> List[int]:
-        if self.chatglm_family == "chatglm2":  # as build_inputs encodes build_prompt's text
+        if self._chat_rounds:  # as build_inputs encodes build_prompt's text
             return self.encode(self._builtin_chat_text(conversation, add_generation_prompt))
         return self._ids_of_turns(self._turns(conversation, "conversation"), add_generation_prompt)
 

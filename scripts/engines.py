@@ -211,6 +211,10 @@ def gguf_hints(folder: Path) -> list:
     rope = config.get("rope_parameters") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     hints = []
+    scaling = rope.get("rope_type") or (config.get("rope_scaling") or {}).get("rope_type")
+    if scaling not in (None, "default"):  # chatglm2-6b-32k's export: positions divided by rope_ratio
+        hints.append(f"convert_hf_to_gguf reads no {scaling} rope scaling for Glm: a chatglm2-6b-32k export has no GGUF "
+                     "route (the exporter says so)")
     if "rope_ratio" not in config and float(theta) != 10000.0:
         hints.append(f"convert_hf_to_gguf takes the rotary base from config.json's rope_ratio only (this one has "
                      f"rope_theta {theta:g} and no rope_ratio, so the GGUF gets 10000)")

@@ -69,7 +69,7 @@ import transformers  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 TRANSFORMERS = Version(transformers.__version__)
-GOLDEN_CASES = ("glm4-chat-tiny", "chatglm3-tiny", "chatglm2-tiny")
+GOLDEN_CASES = ("glm4-chat-tiny", "chatglm3-tiny", "chatglm2-tiny", "chatglm2-32k-tiny")
 # P-tuning v2 cases: every golden case with a prefix-only layout (FORMAT.md, "P-tuning v2 cases").
 PTUNING_CASES = tuple(sorted(p.parent.name for p in (SHARED / "golden").glob("*/prefix_only"))) or ("glm4-ptuning-tiny",)
 FAMILIES = ("glm4", "chatglm3")

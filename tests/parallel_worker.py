@@ -95,7 +95,7 @@ def guard_rejects_non_contiguous() -> bool:
 # ----------------------------------------------------------------------------------------------------------------------
 
 TRANSFORMERS = Version(transformers.__version__)
-ATTENTION = {"glm4": "sdpa", "chatglm3": "eager", "chatglm3-mha": "eager", "glm4v": "sdpa"}
+ATTENTION = {"glm4": "sdpa", "chatglm3": "eager", "chatglm3-mha": "eager", "glm4v": "sdpa", "chatglm2-32k": "sdpa"}
 
 
 def load(folder, variant, **kwargs):

@@ -28,6 +28,8 @@ def _rotate(t, positions, config):
     """t: [seq, batch, heads, dim]; turn pairs (2j, 2j+1) of the first kv_channels/2 channels."""
     rot = config.kv_channels // 2
     base = 10000 * config.rope_ratio
+    if getattr(config, "chatglm_variant", None) == "chatglm2-6b-32k":  # FORMAT.md: positions / rope_ratio, base 10000
+        base, positions = 10000, positions / config.rope_ratio
     out = t.clone()
     for j in range(rot // 2):
         theta = 1.0 / base ** (2 * j / rot)

@@ -19,9 +19,9 @@ from tokenizer_fixtures import load_jsonl, make_tokenizer_folder
 import export_to_native_glm as exporter
 
 pytestmark = pytest.mark.skipif(TRANSFORMERS < Version("4.46"), reason="GlmForCausalLM arrived in transformers 4.46")
-# The golden cases the exporter takes: ChatGLM2's tokenizer has no fast tokenizer yet, so its export is refused
+# The golden cases the exporter takes whole: ChatGLM2's tokenizer has no fast tokenizer yet, so its export is refused
 # (test_a_chatglm2_checkpoint_is_refused_naming_it).
-EXPORTED_CASES = tuple(case for case in GOLDEN_CASES if case != "chatglm2-tiny")
+EXPORTED_CASES = tuple(case for case in GOLDEN_CASES if not case.startswith("chatglm2"))
 exported_cases = pytest.mark.parametrize("golden", EXPORTED_CASES, indirect=True)
 SLOW_TOKENIZER = {"glm4": "glm4_tokenizer", "chatglm3": "chatglm3_tokenizer"}
 RECORDS = {"glm4": "glm4.jsonl", "chatglm3": "chatglm3.jsonl"}
@@ -171,6 +171,30 @@ def test_a_chatglm2_checkpoint_is_refused_naming_it(tmp_path):
     code, output = run_exporter(source, tmp_path / "native")
     assert code == 2 and "ChatGLM2" in output and "THUDM/chatglm2-6b" in output, output
     assert not (tmp_path / "native").exists()
+
+
+@pytest.mark.parametrize("golden", ["chatglm2-32k-tiny"], indirect=True)
+def test_chatglm2_32k_exports_with_linear_rope_scaling_and_gives_the_golden_logits(golden, tmp_path):
+    """chatglm2-6b-32k divides the positions by rope_ratio: the export says so in transformers' own terms (linear
+    rope scaling, factor rope_ratio, base 10000) and writes no rope_ratio (llama.cpp's converter reads it as a
+    base); GlmForCausalLM reads the scaling from 4.48 on and then gives the original's logits. ChatGLM2 has no fast
+    tokenizer here: the model alone (--without-tokenizer)."""
+    from chatglm_tools.native_glm import glm_reads_rope_scaling
+
+    code, output = run_exporter(golden.folder, tmp_path / "native", "--without-tokenizer")
+    assert code == 0 and "positions / 16" in output and "llama.cpp: not this checkpoint" in output, output
+    written = json.loads((tmp_path / "native" / "config.json").read_text())
+    rope = written.get("rope_parameters") or dict(written.get("rope_scaling") or {}, rope_theta=written["rope_theta"])
+    assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("linear", 16.0, 10000.0)
+    assert "rope_ratio" not in written and not (tmp_path / "native" / "tokenizer.json").exists()
+    if not glm_reads_rope_scaling():  # 4.46, 4.47: Glm ignores rope_scaling (README: the export needs 4.48)
+        return
+    native = load_native(tmp_path / "native")
+    with torch.no_grad():
+        for i in range(3):
+            ids = golden.expected[f"seq_{i}_input_ids"][None]
+            torch.testing.assert_close(native(input_ids=ids).logits[0], golden.expected[f"seq_{i}_logits"],
+                                       rtol=1e-4, atol=1e-4)
 
 
 MEMORY_PROBE = """

@@ -28,6 +28,8 @@ VARIANTS = {
     "chatglm3": ("chatglm3", {}),
     "chatglm3-mha": ("chatglm3", dict(multi_query_attention=False, add_bias_linear=True, padded_vocab_size=255)),
     "glm4v": ("glm4v", {}),  # GLM-4V: the language model sharded by the same plan, the vision tower replicated
+    # chatglm2-6b-32k: positions divided by rope_ratio on every rank (the reading travels in config.json)
+    "chatglm2-32k": ("chatglm3", dict(rope_ratio=16, chatglm_variant="chatglm2-6b-32k")),
 }
 RUN_TIMEOUT_S = 300
 

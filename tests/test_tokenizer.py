@@ -1232,11 +1232,33 @@ def test_chatglm2_facts_match_original_with_fixes(chatglm2_tokenizer, chatglm2_r
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == tok.build_prompt("hi")
 
 
-@pytest.mark.parametrize("record", chatglm2_params("encode"))
-def test_chatglm2_encode_record(chatglm2_tokenizer, sp_oracle, record):
+# The records of the ChatGLM2-form tokenizers: chatglm2-6b's, and codegeex2-6b's (ChatGLM2's tokenizer with its own
+# tokenizer.model, folder as downloaded, no chatglm_family argument).
+CHATGLM2_FORM_FILES = ("chatglm2.jsonl", "codegeex2.jsonl")
+
+
+@pytest.fixture(scope="session")
+def codegeex2_sp_oracle(tmp_path_factory):
+    import sentencepiece
+    from tokenizer_fixtures import make_codegeex2_tokenizer_model
+
+    path = make_codegeex2_tokenizer_model(tmp_path_factory.mktemp("codegeex2-oracle") / "tokenizer.model")
+    return sentencepiece.SentencePieceProcessor(model_file=str(path))
+
+
+def chatglm2_form(request, record):
+    """(tokenizer, SentencePiece oracle, records) of the checkpoint a ChatGLM2-form record comes from."""
+    name = "codegeex2" if "-codegeex2-" in record["id"] else "chatglm2"
+    oracle = "codegeex2_sp_oracle" if name == "codegeex2" else "sp_oracle"
+    return (request.getfixturevalue(f"{name}_tokenizer"), request.getfixturevalue(oracle),
+            request.getfixturevalue(f"{name}_records"))
+
+
+@pytest.mark.parametrize("record", chatglm2_params("encode", files=CHATGLM2_FORM_FILES))
+def test_chatglm2_encode_record(request, record):
     """Typed text is only text (CHATGLM2-SPECIAL-SPELLING-IS-TEXT): [gMASK] sop come from add_special_tokens alone,
     and decode drops them (CHATGLM2-COMMAND-IDS-DECODE-EMPTY)."""
-    tok, text = chatglm2_tokenizer, record["text"]
+    (tok, sp_oracle, _), text = chatglm2_form(request, record), record["text"]
     assert record["ids_no_special"] == record["sp_encode_ids"] == sp_oracle.encode(text)
     assert tok.encode(text, add_special_tokens=False) == record["ids_no_special"]
     assert tok.encode(text, add_special_tokens=False, split_special_tokens=True) == record["ids_no_special"]
@@ -1250,15 +1272,15 @@ def test_chatglm2_encode_record(chatglm2_tokenizer, sp_oracle, record):
     assert tok.decode(record["ids_special"], skip_special_tokens=True) == record["decoded_skip_special"]
 
 
-@pytest.mark.parametrize("record", chatglm2_params("decode"))
-def test_chatglm2_decode_record(chatglm2_tokenizer, chatglm2_records, record):
-    tok, ids = chatglm2_tokenizer, record["ids"]
+@pytest.mark.parametrize("record", chatglm2_params("decode", files=CHATGLM2_FORM_FILES))
+def test_chatglm2_decode_record(request, record):
+    (tok, _, records), ids = chatglm2_form(request, record), record["ids"]
     fields = ("decoded", "decoded_skip_special", "decoded_nospace", "tokens_repr")
     expected = {field: record[field] for field in fields if field in record}
-    if has_code(record, "CHATGLM2-DECODE-OUT-OF-RANGE-RAISES"):
+    if any(code.endswith("2-DECODE-OUT-OF-RANGE-RAISES") for code in record.get("original_bug_codes", [])):
         # Fixed: the model's output rows reach past the vocabulary (padded_vocab_size 65024); such an id has no token
         # and decodes to "" (ChatGLM3's original did so) instead of raising IndexError.
-        assert min(ids) >= meta(chatglm2_records)["vocab_size"] and bug_fields(record) == {f + "_error" for f in fields}
+        assert min(ids) >= meta(records)["vocab_size"] and bug_fields(record) == {f + "_error" for f in fields}
         expected = {"decoded": "", "decoded_skip_special": "", "decoded_nospace": "", "tokens_repr": ["''"] * len(ids)}
     assert {
         "decoded": tok.decode(ids),
@@ -1269,24 +1291,44 @@ def test_chatglm2_decode_record(chatglm2_tokenizer, chatglm2_records, record):
 
 
 @pytest.mark.parametrize("mechanism", ["attribute", "call_kwarg"])
-@pytest.mark.parametrize("record", chatglm2_params("batch"))
-def test_chatglm2_batch_record(chatglm2_tokenizer, chatglm2_records, sp_oracle, record, mechanism):
+@pytest.mark.parametrize("record", chatglm2_params("batch", files=CHATGLM2_FORM_FILES))
+def test_chatglm2_batch_record(request, record, mechanism):
     """Left padding as the original; right padding works (PAD-ASSERT-LEFT fixed), mirroring it."""
-    info = meta(chatglm2_records)
+    tok, sp_oracle, records = chatglm2_form(request, record)
+    info = meta(records)
     (_, side, kwargs, expected), = expected_batches([record], info["prefix_tokens"], info["pad_token_id"],
                                                    sp_oracle.encode)
-    assert run_batch(chatglm2_tokenizer, record, side, kwargs, mechanism) == expected
-    if "return_tensors_pt" in record:
-        tensors = chatglm2_tokenizer(record["texts"], return_tensors="pt", **kwargs)
+    assert run_batch(tok, record, side, kwargs, mechanism) == expected
+    if "return_tensors_pt" in record:  # on the record's padding side
+        tensors = run_batch(tok, record, side, dict(kwargs, return_tensors="pt"), mechanism)
         assert {key: value.tolist() for key, value in tensors.items()} == record["return_tensors_pt"]
     elif "return_tensors_pt_error" in record:
         with pytest.raises(ValueError, match="padding"):
-            chatglm2_tokenizer(record["texts"], return_tensors="pt", **kwargs)
+            tok(record["texts"], return_tensors="pt", **kwargs)
 
 
-@pytest.mark.parametrize("record", chatglm2_params("pair"))
-def test_chatglm2_pair_record(chatglm2_tokenizer, record):
-    assert dict(chatglm2_tokenizer(record["text"], record["text_pair"])) == record["output"]
+@pytest.mark.parametrize("record", chatglm2_params("pair", files=CHATGLM2_FORM_FILES))
+def test_chatglm2_pair_record(request, record):
+    tok, _, _ = chatglm2_form(request, record)
+    assert dict(tok(record["text"], record["text_pair"])) == record["output"]
+
+
+def test_codegeex2_folder_as_downloaded_is_chatglm2s_tokenizer(codegeex2_tokenizer, codegeex2_records):
+    """codegeex2-6b's files name it (tokenizer_config.json and config.json): ChatGLM2's form, with its own
+    tokenizer.model (no dummy prefix), its build_prompt; code holding [gMASK] or sop stays text."""
+    tok, info = codegeex2_tokenizer, meta(codegeex2_records)
+    assert (tok.chatglm_family, tok.vocab_size, len(tok)) == ("chatglm2", info["vocab_size"], info["len_tokenizer"])
+    assert (tok.eos_token_id, tok.pad_token_id, tok.get_prefix_tokens()) == (
+        info["eos_token_id"], info["pad_token_id"], info["prefix_tokens"])
+    assert {t: tok.get_command(t) for t in info["get_command"]} == info["get_command"]
+    assert tok.chat_template is info["chat_template"] is None
+    for example in info["build_prompt_examples"]:
+        assert tok.build_prompt(example["query"], example["history"]) == example["build_prompt"]
+    assert {text: tok.encode(text, add_special_tokens=False) for text in info["sp_encode_def"]} == info["sp_encode_def"]
+    for check in info["external_checks"]:  # chatglm.cpp's CodeGeeX2 test
+        assert tok.encode(check["text"]) == check["expected_ids"]
+    code = 'mask = "[gMASK]"  # sop'
+    assert tok.decode(tok.encode(code), skip_special_tokens=True) == code
 
 
 @pytest.mark.parametrize("record", chatglm2_params("chat", "build_inputs"))
@@ -1336,6 +1378,37 @@ def test_chatglm2_recognised_from_the_name_in_either_file(tmp_path, named_in):
     tok = load_tokenizer(folder)
     assert (tok.chatglm_family, tok.vocab_size) == ("chatglm2", 64794)
     assert tok.encode("<|user|>", add_special_tokens=False) == [906, 31007, 4865, 31007, 30994]
+
+
+def test_chatglm2_int4_folder_is_chatglm2_from_its_config(tmp_path, caplog):
+    """chatglm2-6b-int4's tokenizer_config.json names the first-generation "THUDM/chatglm-6b" (no row: says nothing),
+    its config.json "THUDM/chatglm2-6b-int4": ChatGLM2, without a warning."""
+    folder = make_chatglm2_folder(tmp_path / "int4", tokenizer_config_changes={"name_or_path": "THUDM/chatglm-6b"},
+                                  config_changes={"_name_or_path": "THUDM/chatglm2-6b-int4", "quantization_bit": 4})
+    with caplog.at_level("WARNING"):
+        tok = load_tokenizer(folder)
+    assert (tok.chatglm_family, tok.vocab_size) == ("chatglm2", 64794)
+    assert not [r for r in caplog.records if "tokenization_chatglm" in r.name]
+
+
+def test_chatglm2_32k_without_names_is_chatglm2_from_its_rope_ratio(tmp_path):
+    """chatglm2-6b-32k's rope_ratio 16 is its alone: with both names lost, the model's own field tells."""
+    folder = make_chatglm2_folder(tmp_path / "finetuned", drop_names=True, config_changes={"rope_ratio": 16})
+    assert load_tokenizer(folder).chatglm_family == "chatglm2"
+
+
+def test_contradicting_names_are_warned_about(tokenizer_folder_factory, caplog):
+    """A chatglm3-6b folder (config.json names it, its tokenizer_config.json has the chat template) whose
+    tokenizer_config.json names chatglm2: taken as ChatGLM2 as before (the tokenizer's own file decides), but the
+    contradiction is named, with how to choose."""
+    folder = tokenizer_folder_factory("chatglm3", "chatglm3-said-chatglm2",
+                                      config_changes={"name_or_path": "THUDM/chatglm2-6b"})
+    (folder / "config.json").write_text(conftest.shared_path("configs", "chatglm3-6b", "config.json").read_text())
+    with caplog.at_level("WARNING"):
+        tok = load_tokenizer(folder)
+    assert tok.chatglm_family == "chatglm2"
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert "THUDM/chatglm3-6b" in message and "chat template" in message and "chatglm_family=" in message, message
 
 
 def test_chatglm2_without_names_is_chatglm3_with_a_warning_until_chosen(tmp_path, caplog):

@@ -21,6 +21,9 @@ __all__ = [
     "chatglm2_records",
     "chatglm2_params",
     "make_chatglm2_folder",
+    "make_codegeex2_folder",
+    "codegeex2_records",
+    "codegeex2_tokenizer",
     "glm4_variant_records",
     "glm4_tokenizer",
     "chatglm3_tokenizer",
@@ -81,10 +84,40 @@ def make_chatglm2_folder(folder: Path, tokenizer_config_changes=None, config_cha
     return copy_code_into(folder)
 
 
-def chatglm2_params(kind: str, scenario=None) -> list:
-    """The chatglm2.jsonl records of a kind (and chat scenario) as pytest params, each with its record id."""
-    return [pytest.param(record, id=record["id"]) for record in load_jsonl("tokvec", "chatglm2.jsonl")
+def chatglm2_params(kind: str, scenario=None, files=("chatglm2.jsonl",)) -> list:
+    """The records of a kind (and chat scenario) of ChatGLM2-form tokenizers' files as pytest params, each with its
+    record id."""
+    return [pytest.param(record, id=record["id"]) for name in files for record in load_jsonl("tokvec", name)
             if record["kind"] == kind and record.get("scenario") == scenario]
+
+
+def make_codegeex2_tokenizer_model(path: Path) -> Path:
+    """codegeex2-6b's tokenizer.model, made as tokvec/FORMAT.md says: chatglm2-6b's (the shared chatglm3-6b file)
+    with normalizer_spec.add_dummy_prefix false, one byte; checked against the recorded sha256 (never committed)."""
+    import hashlib
+
+    recipe = load_jsonl("tokvec", "codegeex2.jsonl")[0]["tokenizer_model_reconstruction"]
+    data = bytearray(shared_path("tokenizers", TOKENIZER_DIRS["chatglm3"], "tokenizer.model").read_bytes())
+    assert hashlib.sha256(data).hexdigest() == recipe["from_sha256"]
+    data[recipe["changed_byte_offset"]] = 0
+    assert hashlib.sha256(data).hexdigest() == recipe["result_sha256"] and len(data) == recipe["result_size"]
+    path.write_bytes(bytes(data))
+    return path
+
+
+def make_codegeex2_folder(folder: Path, config_changes=None) -> Path:
+    """A codegeex2-6b folder as downloaded, with our code files: its tokenizer.model, its tokenizer_config.json (the
+    exact text the meta record holds) and a config.json naming it (chatglm2-tiny's shrunk config with codegeex2-6b's
+    name, eos 2 and no pad_token_id, as its model_config_facts say)."""
+    info = load_jsonl("tokvec", "codegeex2.jsonl")[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    make_codegeex2_tokenizer_model(folder / "tokenizer.model")
+    (folder / "tokenizer_config.json").write_text(info["tokenizer_config_text"], encoding="utf-8")
+    config = json.loads(shared_path("golden", "chatglm2-tiny", "checkpoint", "config.json").read_text())
+    config.pop("pad_token_id")
+    config.update(_name_or_path=info["model_config_facts"]["_name_or_path"], **(config_changes or {}))
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return copy_code_into(folder)
 
 
 def load_tokenizer(folder: Path, **kwargs):
@@ -106,6 +139,11 @@ def chatglm3_records():
 @pytest.fixture(scope="session")
 def chatglm2_records():
     return load_jsonl("tokvec", "chatglm2.jsonl")
+
+
+@pytest.fixture(scope="session")
+def codegeex2_records():
+    return load_jsonl("tokvec", "codegeex2.jsonl")
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +174,12 @@ def chatglm3_tokenizer(tokenizer_folder_factory):
 @pytest.fixture(scope="session")
 def chatglm2_tokenizer(tmp_path_factory):
     return load_tokenizer(make_chatglm2_folder(tmp_path_factory.mktemp("chatglm2-tokenizer")))
+
+
+@pytest.fixture(scope="session")
+def codegeex2_tokenizer(tmp_path_factory):
+    """codegeex2-6b's folder as downloaded, loaded with no chatglm_family argument."""
+    return load_tokenizer(make_codegeex2_folder(tmp_path_factory.mktemp("codegeex2-6b")))
 
 
 @pytest.fixture(scope="session")

@@ -181,7 +181,8 @@ def build_fast_tokenizer(model_path) -> Tokenizer:
     if family == "chatglm2":
         raise ValueError(f"{model_path}: a ChatGLM2 checkpoint ({evidence}); this converter writes ChatGLM3's fast "
                          "tokenizer, which encodes ChatGLM2's text differently (role tokens, parsed special "
-                         "text): ChatGLM2 has no fast tokenizer here yet, use its slow tokenizer")
+                         "text): ChatGLM2 has no fast tokenizer here yet, use its slow tokenizer (tools/export_to_native_glm.py "
+                         "exports the model alone with --without-tokenizer)")
     return chatglm3_tokenizer(model_path)
 
 

@@ -11,13 +11,15 @@ cache folder (`models--THUDM--glm-4-9b-chat`, or one of its snapshots). OUTPUT i
 `trust_remote_code` (transformers >= 4.46), and that vLLM, SGLang and llama.cpp's convert_hf_to_gguf.py read as Glm:
 
 * config.json: GlmConfig, `architectures: ["GlmForCausalLM"]`, the rotary base 10000 * rope_ratio (half of each head
-  turns), the checkpoint's dtype, eos and pad ids;
+  turns; chatglm2-6b-32k, which divides the positions by rope_ratio instead: base 10000 and linear rope scaling with
+  factor rope_ratio, read by transformers >= 4.48), the checkpoint's dtype, eos and pad ids;
 * model-0000N-of-0000M.safetensors + index: the weights in Glm's names (the fused query_key_value split into q/k/v;
   dense_h_to_4h is already gate|up), written shard by shard: memory holds one output shard, never the model;
 * tokenizer.json (the fast tokenizer of tools/convert_tokenizer_to_fast.py, ids equal to the slow tokenizer's),
   tokenizer_config.json (PreTrainedTokenizerFast, the family's special tokens, the chat template: GLM-4's own, with
   tools and observations; for ChatGLM3 one that renders build_chat_input's prompt), generation_config.json (ChatGLM3
-  also stops at <|user|> and <|observation|>, as its chat() does).
+  also stops at <|user|> and <|observation|>, as its chat() does). `--without-tokenizer` writes the model alone
+  (ChatGLM2, whose tokenizer has no fast form here, is otherwise refused: keep its own tokenizer beside).
 
 What Glm cannot hold is refused, naming the field: a P-tuning v2 prefix (`pre_seq_len`), GLM-4V's vision tower,
 `quantization_bit`, and the layout flags released checkpoints never set. SOURCE is only read. OUTPUT is written in a
@@ -50,7 +52,7 @@ DEFAULT_SHARD = "5GB"
 # have it); anything else is refused.
 GLM_LAYOUT = {"rmsnorm": True, "add_bias_linear": False, "apply_residual_connection_post_layernorm": False,
               "post_layer_norm": True, "original_rope": True}
-FAMILY_NAMES = {"glm4": "GLM-4", "chatglm3": "ChatGLM3"}
+FAMILY_NAMES = {"glm4": "GLM-4", "chatglm3": "ChatGLM3", "chatglm": "ChatGLM2/3"}
 # ChatGLM3's prompt as build_chat_input writes it, as text: [gMASK]sop, then per message <|role|>, its metadata line,
 # and " content" (SentencePiece's word-start marker before content encoded on its own); a system message's tools follow
 # its content as indented JSON, as the original did.
@@ -261,9 +263,20 @@ def write_shards(pieces: list, weights: SourceWeights, folder: Path, max_shard_b
 # Config, generation config, tokenizer
 # ---------------------------------------------------------------------------------------------------------------------
 
-def glm_sizes(config: dict) -> SimpleNamespace:
+def rotary_position_divisor(config: dict, folder: Path) -> float:
+    """rope_ratio where the checkpoint divides the rotary positions by it (chatglm2-6b-32k), else 1.0: the
+    CHECKPOINT_VARIANTS row named by config.json (chatglm_variant, _name_or_path) or the folder, else by its fields."""
+    tokenization = repository_module("tokenization_chatglm")
+    row = (tokenization.variant_named(config.get("chatglm_variant")) or tokenization.variant_named(
+        config.get("_name_or_path")) or tokenization.variant_named(str(folder)) or tokenization.variant_of_fields(config))
+    if row is not None and tokenization.CHECKPOINT_VARIANTS[row]["rotary"] == "positions":
+        return float(config.get("rope_ratio", 1))
+    return 1.0
+
+
+def glm_sizes(config: dict, folder: Path) -> SimpleNamespace:
     """What tools/chatglm_tools/native_glm.py reads of a ChatGLMConfig, from config.json."""
-    return SimpleNamespace(
+    return SimpleNamespace(position_divisor=rotary_position_divisor(config, folder),
         padded_vocab_size=config["padded_vocab_size"], hidden_size=config["hidden_size"],
         ffn_hidden_size=config["ffn_hidden_size"], num_layers=config["num_layers"],
         num_attention_heads=config["num_attention_heads"], kv_channels=config["kv_channels"],
@@ -285,7 +298,7 @@ def eos_ids(config: dict, family: str, tokenizer) -> list:
 def write_config(folder: Path, sizes, dtype, eos: list, pad_id: int) -> None:
     from chatglm_tools.native_glm import native_glm_config
 
-    glm = native_glm_config(sizes)
+    glm = native_glm_config(sizes, position_divisor=sizes.position_divisor)
     glm.architectures = ["GlmForCausalLM"]
     glm.eos_token_id, glm.pad_token_id = eos, pad_id
     glm.save_pretrained(folder)
@@ -293,8 +306,10 @@ def write_config(folder: Path, sizes, dtype, eos: list, pad_id: int) -> None:
     content = json.loads(path.read_text())
     content["torch_dtype"] = str(dtype).removeprefix("torch.")
     # llama.cpp's convert_hf_to_gguf.py reads the rotary base of a Glm checkpoint from rope_ratio alone (without it,
-    # 10000); transformers keeps the extra key as an attribute and uses rope_theta.
-    content["rope_ratio"] = sizes.rope_ratio
+    # 10000); transformers keeps the extra key as an attribute and uses rope_theta. Not where rope_ratio divides the
+    # positions (chatglm2-6b-32k: linear rope scaling above), which that converter would read as a base.
+    if sizes.position_divisor == 1.0:
+        content["rope_ratio"] = sizes.rope_ratio
     if "dtype" in content:
         content["dtype"] = content["torch_dtype"]
     path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
@@ -352,7 +367,14 @@ def write_tokenizer(source: Path, folder: Path, seq_length: int):
 # Command line
 # ---------------------------------------------------------------------------------------------------------------------
 
-def export(source: Path, output: Path, max_shard_bytes: int) -> int:
+def model_only_settings(folder: Path, config: dict) -> tuple:
+    """(family, eos ids, pad id) of an export without a tokenizer: the ids config.json gives."""
+    family = "glm4" if config.get("padded_vocab_size", 0) > 100000 else "chatglm"
+    eos = config.get("eos_token_id")
+    return family, list(eos) if isinstance(eos, list) else [eos] if eos is not None else [], config.get("pad_token_id")
+
+
+def export(source: Path, output: Path, max_shard_bytes: int, with_tokenizer: bool = True) -> int:
     folder = checkpoint_folder(source)
     config = read_config(folder)
     output = Path(os.path.abspath(output))
@@ -363,13 +385,16 @@ def export(source: Path, output: Path, max_shard_bytes: int) -> int:
                       "the source")
     if not output.parent.is_dir():
         raise Refused(f"{output.parent} does not exist: create it, or give OUTPUT in an existing folder")
-    sizes = glm_sizes(config)
+    sizes = glm_sizes(config, folder)
     staging = output.parent / f".{output.name}.export-{os.getpid()}"
     try:
         staging.mkdir()
-        family, slow = write_tokenizer(folder, staging, sizes.seq_length)
-        eos = eos_ids(config, family, slow)
-        pad_id = config.get("pad_token_id", slow.pad_token_id)
+        if with_tokenizer:
+            family, slow = write_tokenizer(folder, staging, sizes.seq_length)
+            eos = eos_ids(config, family, slow)
+            pad_id = config.get("pad_token_id", slow.pad_token_id)
+        else:
+            family, eos, pad_id = model_only_settings(folder, config)
         if pad_id is not None and not 0 <= pad_id < sizes.padded_vocab_size:
             pad_id = None  # Glm's embedding takes the pad id as padding_idx, which must be a row of it
         weights = SourceWeights(folder)
@@ -386,14 +411,23 @@ def export(source: Path, output: Path, max_shard_bytes: int) -> int:
     except Exception:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    interpolated = sizes.position_divisor != 1.0
+    rotary = (f"rope base 10000, positions / {sizes.position_divisor:g} (linear rope scaling)" if interpolated
+              else f"rope base {10000 * sizes.rope_ratio:g}")
     report(f"exported the {FAMILY_NAMES[family]} checkpoint {folder} to {output} (transformers' Glm, no remote code)",
-           [f"config.json: GlmForCausalLM, {sizes.num_layers} layers, rope base {10000 * sizes.rope_ratio:g}, "
+           [f"config.json: GlmForCausalLM, {sizes.num_layers} layers, {rotary}, "
             f"{str(dtype).removeprefix('torch.')}, eos {eos}",
             f"{len(shards)} weight shard(s), {total / 1e9:.2f} GB, with model.safetensors.index.json",
-            "tokenizer.json, tokenizer_config.json (PreTrainedTokenizerFast, chat template), generation_config.json"])
-    print("load it with (transformers >= 4.46):\n"
-          f"  AutoModelForCausalLM.from_pretrained({str(output)!r}); AutoTokenizer.from_pretrained({str(output)!r})\n"
-          f"serve it: vllm serve {output}   |   llama.cpp: python convert_hf_to_gguf.py {output} --outfile model.gguf")
+            "tokenizer.json, tokenizer_config.json (PreTrainedTokenizerFast, chat template), generation_config.json"
+            if with_tokenizer else "generation_config.json; no tokenizer (--without-tokenizer): load it from "
+            f"{folder} with trust_remote_code=True"])
+    print(f"load it with (transformers >= {'4.48' if interpolated else '4.46'}):\n"
+          f"  AutoModelForCausalLM.from_pretrained({str(output)!r})"
+          + (f"; AutoTokenizer.from_pretrained({str(output)!r})" if with_tokenizer else ""))
+    print(f"serve it: vllm serve {output}" + (
+        "   |   llama.cpp: not this checkpoint (convert_hf_to_gguf.py reads no rope scaling for Glm: the GGUF would "
+        "rotate undivided positions)" if interpolated else
+        f"   |   llama.cpp: python convert_hf_to_gguf.py {output} --outfile model.gguf"))
     return 0
 
 
@@ -402,8 +436,11 @@ def main(argv=None) -> int:
     parser.add_argument("source", type=Path, help="ChatGLM2/3 or GLM-4 checkpoint folder (or Hugging Face cache folder)")
     parser.add_argument("output", type=Path, help="the new folder to write")
     parser.add_argument("--max-shard-size", default=DEFAULT_SHARD, help=f"largest weight file (default {DEFAULT_SHARD})")
+    parser.add_argument("--without-tokenizer", action="store_true",
+                        help="the model only (ChatGLM2 has no fast tokenizer here: keep using its own tokenizer)")
     args = parser.parse_args(argv)
-    return exit_code(lambda: export(args.source, args.output, parse_size(args.max_shard_size)))
+    return exit_code(lambda: export(args.source, args.output, parse_size(args.max_shard_size),
+                                    with_tokenizer=not args.without_tokenizer))
 
 
 if __name__ == "__main__":

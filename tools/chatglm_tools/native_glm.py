@@ -4,7 +4,8 @@ benchmarks/model_benchmark.py (speed and memory).
 
 Layout facts: the fused `query_key_value` is [all q | all k | all v] (multi-query attention); `dense_h_to_4h` is
 [gate | up], like Glm's `gate_up_proj`; the rotary base is 10000 * rope_ratio and half of each head turns, as
-interleaved pairs (Glm's partial_rotary_factor 0.5).
+interleaved pairs (Glm's partial_rotary_factor 0.5); chatglm2-6b-32k instead divides the positions by rope_ratio
+with the base 10000, which is Glm's linear RoPE scaling.
 """
 import inspect
 import json
@@ -15,9 +16,12 @@ import torch
 import transformers
 
 
-def native_glm_config(config, rope_theta=None):
-    """GlmConfig for a ChatGLMConfig. `rope_theta` overrides the base (to show what forgetting rope_ratio does)."""
-    theta = float(10000 * config.rope_ratio if rope_theta is None else rope_theta)
+def native_glm_config(config, rope_theta=None, position_divisor=1.0):
+    """GlmConfig for a ChatGLMConfig. `rope_theta` overrides the base (to show what forgetting rope_ratio does).
+    `position_divisor` > 1: the checkpoint divides the positions by rope_ratio with the base 10000 (chatglm2-6b-32k,
+    see `rotary_position_divisor`): transformers' linear RoPE scaling, factor = the divisor."""
+    interpolated = position_divisor != 1.0
+    theta = float(10000 if interpolated else 10000 * config.rope_ratio) if rope_theta is None else float(rope_theta)
     fields = dict(
         vocab_size=config.padded_vocab_size,
         hidden_size=config.hidden_size,
@@ -33,13 +37,29 @@ def native_glm_config(config, rope_theta=None):
         eos_token_id=None,
         tie_word_embeddings=False,
     )
+    scaling = {"rope_type": "linear", "factor": float(position_divisor)} if interpolated else {"rope_type": "default"}
     if "rope_parameters" in inspect.signature(transformers.GlmConfig.__init__).parameters or hasattr(
         transformers.GlmConfig, "rope_parameters"
-    ):
-        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.5}
-    else:
+    ):  # 5.x: one dict holds the base, the rotated share and the scaling
+        fields["rope_parameters"] = dict(scaling, rope_theta=theta, partial_rotary_factor=0.5)
+    else:  # 4.x: rope_theta and partial_rotary_factor apart, rope_scaling only when there is one
         fields.update(rope_theta=theta, partial_rotary_factor=0.5)
+        if interpolated:
+            fields["rope_scaling"] = scaling
     return transformers.GlmConfig(**fields)
+
+
+def glm_reads_rope_scaling() -> bool:
+    """Whether the installed transformers' Glm applies a config's RoPE scaling. Its first rotary class (4.46, 4.47)
+    took only the base and ignored rope_scaling; later ones are built from the config. Told by behaviour."""
+    from transformers.models.glm import modeling_glm
+
+    return "config" in inspect.signature(modeling_glm.GlmRotaryEmbedding.__init__).parameters
+
+
+def rotary_position_divisor(model) -> float:
+    """What our model divides the rotary positions by (1.0 unless the checkpoint is chatglm2-6b-32k)."""
+    return float(getattr(model.transformer.rotary_pos_emb, "position_divisor", 1.0))
 
 
 def key_value_heads(config) -> int:
@@ -80,7 +100,11 @@ def convert_state_dict(state_dict, config):
 
 def native_glm(model, rope_theta=None, attn_implementation="eager", dtype=torch.float32):
     """A GlmForCausalLM holding the weights of our `model`, in `dtype`, built on the default device."""
-    config = native_glm_config(model.config, rope_theta)
+    divisor = rotary_position_divisor(model)
+    if divisor != 1.0 and not glm_reads_rope_scaling():
+        raise ValueError(f"transformers {transformers.__version__}'s GlmForCausalLM ignores rope_scaling, so it cannot "
+                         "hold chatglm2-6b-32k's position interpolation: use transformers >= 4.48")
+    config = native_glm_config(model.config, rope_theta, divisor)
     config._attn_implementation = attn_implementation
     native = transformers.GlmForCausalLM(config).to(dtype)
     missing, unexpected = native.load_state_dict(convert_state_dict(model.state_dict(), model.config), strict=False)
@@ -93,7 +117,7 @@ def save_native_checkpoint(model, folder) -> Path:
     shard per layer, as save_by_layer writes them), so that a native model loads from disk as ours does."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    native_glm_config(model.config).save_pretrained(folder)
+    native_glm_config(model.config, position_divisor=rotary_position_divisor(model)).save_pretrained(folder)
     save_by_layer(convert_state_dict(model.state_dict(), model.config), folder)
     return folder
 
