@@ -112,6 +112,19 @@ def test_generate_continues_from_a_cache_the_caller_passes(tiny_model, chatglm, 
     assert_cache_used(log.calls, prompt=4, new_tokens=NEW_TOKENS, held_at_start=8)
 
 
+@pytest.mark.parametrize("name", sorted({kv_cache.NAME, "past_key_values"}))  # 5.24 takes both names
+def test_generate_on_a_static_cache_too_short_names_max_cache_len(tiny_model, name):
+    """A StaticCache of 8 slots for 5 prompt tokens and 10 new ones failed after two new tokens with "attention_mask
+    must be a custom 4D mask ...", though the caller passed no mask."""
+    model = tiny_model("glm4")
+    cache = kv_cache.new_static_cache(model.config, 1, 8, device="cpu", dtype=torch.float32)
+    with torch.no_grad(), ForwardLog(model) as log, pytest.raises(
+            ValueError, match=r"static cache of 8 tokens \(max_cache_len=8\), which cannot take 1 new tokens after 8: "
+                              r"9 are needed"):
+        model.generate(random_ids(1, 5, seed=4), max_new_tokens=10, **{name: cache}, **GREEDY)
+    assert [call.held for call in log.calls] == [0, 5, 6, 7, 8]  # refused at the step that found it full
+
+
 def test_generate_from_inputs_embeds_feeds_the_embeddings_once(tiny_model):
     model = tiny_model("chatglm3")
     ids = random_ids(1, 10, seed=3)
