@@ -528,7 +528,8 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
                          "(a prompt cannot be empty; the GLM tokenizers start every prompt with [gMASK] <sop>).")
 
     past = cached_length(past_key_values, model, batch)
-    check_cache_room(past_key_values, past, length)
+    if isinstance(past, int):
+        check_cache_room(past_key_values, past + length, f"{past} cached and {length} new")
     tokens = past - cached_prefix(model, past)  # a 2-D mask covers the tokens, not a P-tuning v2 prefix
     if attention_mask is not None:
         columns = f"{tokens} + {length}" if isinstance(past, int) else "the cached and the new tokens"
@@ -941,17 +942,18 @@ def cache_argument_error(problem: str) -> ValueError:
     return ValueError(f"past_key_values {problem}")
 
 
-def check_cache_room(cache, past, new_tokens: int):
-    """A static cache holds max_cache_len slots; a step past them would fail further on (on the 4-D mask generate()
-    sized for the cache, or in the cache's index copy). Checked first, where the length is known without a host
-    sync (an int; a static cache on an accelerator counts its slots in a tensor)."""
+def check_cache_room(cache, needed: int, what: str):
+    """A static cache holds max_cache_len slots; a step needing more would fail further on, unclearly (on the 4-D
+    mask generate() sized for the cache, or in the cache's index copy). Checked first: by the forward where the
+    cached length is an int (a static cache on an accelerator counts its slots in a tensor, and reading it costs a
+    host sync), and by generate() from the length of its ids."""
     capacity = max_cache_length(cache) if isinstance(cache, Cache) else None
-    if capacity is None or not isinstance(past, int) or past + new_tokens <= capacity:
+    if capacity is None or needed <= capacity:
         return
     raise cache_argument_error(
-        f"is a static cache of {capacity} tokens (max_cache_len={capacity}), which cannot take {new_tokens} new "
-        f"tokens after {past}: {past + new_tokens} are needed. Create it with max_cache_len of at least the prompt "
-        "plus max_new_tokens (plus pre_seq_len with a P-tuning v2 prefix)."
+        f"is a static cache of {capacity} tokens (max_cache_len={capacity}); this step needs {needed} ({what}). "
+        "Create it with max_cache_len of at least the prompt plus max_new_tokens (plus pre_seq_len with a P-tuning "
+        "v2 prefix)."
     )
 
 
@@ -2816,6 +2818,9 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         it returns hold the cache as `past_key_values` on every release: PEFT (0.12 to 0.21, the newest) looks for it
         there and puts its prefix-tuning prefix there, so under 5.24's `cache` a prefix would come as a second cache."""
         past_key_values = caller_cache(past_key_values, kwargs.pop("cache", None))
+        if inputs_embeds is None:  # the cache holds the ids but the newest (and the prefix slots): no host sync
+            check_cache_room(past_key_values, input_ids.shape[-1] + prefix_length(self),
+                             f"the {input_ids.shape[-1]} tokens of the sequence so far")
         if position_ids is not None and inputs_embeds is None and position_ids.shape[-1] < input_ids.shape[-1]:
             position_ids = extend_position_ids(position_ids, input_ids.shape[-1])
         if _HAS_GENERIC_PREPARE_INPUTS:
