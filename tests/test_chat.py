@@ -2,7 +2,6 @@
 whose vocabularies cover the real tokenizers; ChatGLM2's chat API against the original's (tokvec/chatglm2.jsonl)."""
 import inspect
 import json
-import logging
 import shutil
 import sys
 
@@ -11,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from chatglm_tools import kv_cache
-from conftest import REAL_VOCABULARY, optional_package, shared_path
+from conftest import REAL_VOCABULARY, LoggedMessages, optional_package, shared_path
 from tokenizer_fixtures import chatglm2_params, load_tokenizer, make_chatglm2_folder, make_tokenizer_folder
 
 TOKENIZER = {"chatglm3": "chatglm3_tokenizer", "glm4": "glm4_tokenizer"}
@@ -502,32 +501,13 @@ def test_stream_chat_past_max_length_gives_one_token_as_the_original(chat_kind, 
     chat() raised generate()'s ValueError, naming both lengths."""
     model, tokenizer = (glm4_chat_model, glm4_tokenizer) if chat_kind == "glm4" else chatglm2_chat
     calls = recorded_calls(monkeypatch, model, "stream_generate")
-    with ModelLog(model) as log:
+    with LoggedMessages(type(model).__module__) as log:
         steps = list(model.stream_chat(tokenizer, "hi", history=[], max_length=3, do_sample=False))
     prompt = calls[0]["kwargs"]["input_ids"].shape[1]
     assert prompt > 3 and len(steps) == 1 and calls[0]["result"][0].shape[1] == prompt + 1
     assert any(f"Input length of input_ids is {prompt}, but `max_length` is set to 3" in m for m in log.messages)
     with pytest.raises(ValueError, match=rf"Input length of input_ids is {prompt}, but `max_length` is set to 3"):
         model.chat(tokenizer, "hi", history=[], max_length=3, do_sample=False)
-
-
-class ModelLog(logging.Handler):
-    """Messages the model's module logs."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.logger = logging.getLogger(type(model).__module__)
-
-    def __enter__(self):
-        self.messages = []
-        self.logger.addHandler(self)
-        return self
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self)
 
 
 # ---- OpenAI-style content parts ----
