@@ -1295,12 +1295,15 @@ class LayerInputs:
 
     def on(self, device: Optional[torch.device]) -> AttentionInputs:
         if device not in self._copies:
-            source = self._source
-            moved = {name: device_boundary(getattr(source, name), device)
-                     for name in ("cos", "sin", "mask", "cache_position")}
-            moved["kernel_kwargs"] = {name: device_boundary(value, device) if isinstance(value, torch.Tensor) else value
-                                      for name, value in source.kernel_kwargs.items()}
-            self._copies[device] = source._replace(**moved)
+            # Plain loops and the constructor: torch 2.4's dynamo traces neither a comprehension that reads `device`
+            # nor NamedTuple._replace (torch.compile fails there, fullgraph or not).
+            source, kernel_kwargs = self._source, {}
+            for name, value in source.kernel_kwargs.items():
+                kernel_kwargs[name] = device_boundary(value, device) if isinstance(value, torch.Tensor) else value
+            self._copies[device] = AttentionInputs(
+                device_boundary(source.cos, device), device_boundary(source.sin, device),
+                device_boundary(source.mask, device), device_boundary(source.cache_position, device),
+                source.implementation, kernel_kwargs)
         return self._copies[device]
 
 
