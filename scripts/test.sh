@@ -10,7 +10,7 @@
 # The whole matrix also runs the core suite in a minimal environment (.venv-minimal: only torch, transformers,
 # accelerate, safetensors, sentencepiece, tiktoken and the test runner) on the oldest and newest versions: tests of
 # optional features skip there naming their package, and nothing else may need more than the six dependencies.
-# It also runs the core suite at the two ends of the torch range, each in its own environment (scripts/env.sh,
+# It also runs the core suite (with the attention and torch.compile tests) at the two ends of the torch range, each in its own environment (scripts/env.sh,
 # CHATGLM_TORCH): the oldest torch users have (2.4, GLM-4's own floor) with the oldest transformers, and the newest
 # torch on the registry with the newest transformers (the matrix itself runs on torch 2.13.0).
 set -uo pipefail
@@ -22,6 +22,7 @@ CORE=(tests/test_loading.py tests/test_parity.py tests/test_generation.py tests/
       tests/test_inputs.py tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py
       tests/test_recipes.py tests/test_overrides.py tests/test_dependencies.py)
 TORCH_ENDS=("2.4.1 $OLDEST" "2.14.1 $NEWEST")
+TORCH_SENSITIVE=(tests/test_attention.py tests/test_compile.py)  # besides the core suite: the kernels, torch.compile
 if [ $# -gt 0 ] && [ "$1" = "--torch-ends" ]; then
   shift; MATRIX=(); MINIMAL=()
 elif [ $# -gt 0 ] && [ "$1" = "--minimal" ]; then
@@ -59,7 +60,7 @@ for end in "${TORCH_ENDS[@]}"; do
   read -r torch version <<<"$end"
   echo "=== torch $torch, transformers $version ==="
   (export CHATGLM_TORCH="$torch" && source "$ROOT/scripts/env.sh" "$version" >/dev/null && cd "$ROOT" && \
-    "$PY" -m pytest -q --junitxml="$REPORTS/$version-torch$torch.xml" "${CORE[@]}" "$@")
+    "$PY" -m pytest -q --junitxml="$REPORTS/$version-torch$torch.xml" "${CORE[@]}" "${TORCH_SENSITIVE[@]}" "$@")
   rc=$?
   if [ $rc -ne 0 ]; then status=1; echo "torch $torch, transformers $version: exited $rc"; fi
 done
