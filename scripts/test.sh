@@ -10,9 +10,10 @@
 # The whole matrix also runs the core suite in a minimal environment (.venv-minimal: only torch, transformers,
 # accelerate, safetensors, sentencepiece, tiktoken and the test runner) on the oldest and newest versions: tests of
 # optional features skip there naming their package, and nothing else may need more than the six dependencies.
-# It also runs the core suite (with the attention and torch.compile tests) at the two ends of the torch range, each in its own environment (scripts/env.sh,
-# CHATGLM_TORCH): the oldest torch users have (2.4, GLM-4's own floor) with the oldest transformers, and the newest
-# torch on the registry with the newest transformers (the matrix itself runs on torch 2.13.0).
+# It also runs the core suite (with the attention and torch.compile tests) at the two ends of the torch range, each in
+# its own environment (scripts/env.sh, CHATGLM_TORCH): the oldest torch users have (2.4, GLM-4's own floor) with the
+# oldest transformers, and the newest torch on the registry with the newest transformers (the matrix itself runs on
+# torch 2.13.0).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0 5.24.0)
