@@ -83,16 +83,27 @@ logger = logging.get_logger(__name__)
 
 
 # ======================================================================================================================
-# Compatibility shims: transformers 4.44.2 ... 5.x. Each names the releases that need it; nothing else lives here.
+# Compatibility shims: transformers 4.44.2 ... 5.x, torch 2.4 ... Each names the releases that need it; nothing else
+# lives here.
 # ======================================================================================================================
 
 
-def transformers_at_least(release: str) -> bool:
-    """Whether the installed transformers is the "major.minor" `release` or later, its development builds included.
-    Releases are told apart by version, not by the name of a parameter: 5.24 renamed the one that told 4.46 from 4.45
-    here. (Read without `packaging`: transformers' remote-code check asks for every package a file imports.)"""
-    installed = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", transformers.__version__).groups())
+def version_at_least(version: str, release: str) -> bool:
+    """Whether `version` is the "major.minor" `release` or later, its development builds included. (Read without
+    `packaging`: transformers' remote-code check asks for every package a file imports.)"""
+    installed = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
     return installed >= tuple(int(part) for part in release.split("."))
+
+
+def transformers_at_least(release: str) -> bool:
+    """Whether the installed transformers is `release` or later. Releases are told apart by version, not by the name
+    of a parameter: 5.24 renamed the one that told 4.46 from 4.45 here."""
+    return version_at_least(transformers.__version__, release)
+
+
+def torch_at_least(release: str) -> bool:
+    """Whether the installed torch is `release` or later."""
+    return version_at_least(torch.__version__, release)
 
 
 try:  # the attention-function registry appeared in 4.48
@@ -250,6 +261,11 @@ _MAX_LENGTH_QUERY = (
     if hasattr(Cache, "get_max_length") and (transformers_at_least("5.0") or not hasattr(Cache, "get_max_cache_shape"))
     else "get_max_cache_shape"
 )
+
+
+# torch 2.5 added scaled_dot_product_attention(enable_gqa=True): key/value groups attend without being expanded.
+# torch 2.4 (GLM-4's own requirements name torch>=2.4.0) has no such argument: an unmasked prompt expands them once.
+_SDPA_HAS_GQA = torch_at_least("2.5")
 
 
 def is_compiling() -> bool:
@@ -1298,7 +1314,8 @@ def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dr
     """SDPA with the key/value groups kept as groups, so that no decode step copies the cache: one new token's query
     heads attend as rows of their group (a mask broadcasts over them), an unmasked prompt uses torch's `enable_gqa`.
     A masked prompt expands the groups once (CUDA's fused kernels take a mask or groups, not both), as transformers
-    does."""
+    does, and so does an unmasked prompt on torch < 2.5 (folding the groups into the query rows instead would need an
+    explicit causal mask of groups x prompt x keys, larger than the copy, and would lose the fused causal kernels)."""
     batch, heads, query_length, dim = query.shape
     groups = module.num_key_value_groups
     if groups > 1 and query_length == 1:
@@ -1307,11 +1324,12 @@ def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dr
             dropout_p=dropout, scale=scaling,
         ).reshape(batch, heads, 1, dim)
     else:
-        if attention_mask is not None:
+        grouped = attention_mask is None and groups > 1 and _SDPA_HAS_GQA
+        if not grouped:
             key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            is_causal=attention_mask is None and query_length > 1, enable_gqa=attention_mask is None and groups > 1,
+            is_causal=attention_mask is None and query_length > 1, **({"enable_gqa": True} if grouped else {}),
         )
     return out.transpose(1, 2).contiguous(), None
 
@@ -1455,12 +1473,15 @@ class LayerInputs:
 
     def on(self, device: Optional[torch.device]) -> AttentionInputs:
         if device not in self._copies:
-            source = self._source
-            moved = {name: device_boundary(getattr(source, name), device)
-                     for name in ("cos", "sin", "mask", "cache_position")}
-            moved["kernel_kwargs"] = {name: device_boundary(value, device) if isinstance(value, torch.Tensor) else value
-                                      for name, value in source.kernel_kwargs.items()}
-            self._copies[device] = source._replace(**moved)
+            # Plain loops and the constructor: torch 2.4's dynamo traces neither a comprehension that reads `device`
+            # nor NamedTuple._replace (torch.compile fails there, fullgraph or not).
+            source, kernel_kwargs = self._source, {}
+            for name, value in source.kernel_kwargs.items():
+                kernel_kwargs[name] = device_boundary(value, device) if isinstance(value, torch.Tensor) else value
+            self._copies[device] = AttentionInputs(
+                device_boundary(source.cos, device), device_boundary(source.sin, device),
+                device_boundary(source.mask, device), device_boundary(source.cache_position, device),
+                source.implementation, kernel_kwargs)
         return self._copies[device]
 
 
