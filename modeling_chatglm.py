@@ -83,16 +83,27 @@ logger = logging.get_logger(__name__)
 
 
 # ======================================================================================================================
-# Compatibility shims: transformers 4.44.2 ... 5.x. Each names the releases that need it; nothing else lives here.
+# Compatibility shims: transformers 4.44.2 ... 5.x, torch 2.4 ... Each names the releases that need it; nothing else
+# lives here.
 # ======================================================================================================================
 
 
-def transformers_at_least(release: str) -> bool:
-    """Whether the installed transformers is the "major.minor" `release` or later, its development builds included.
-    Releases are told apart by version, not by the name of a parameter: 5.24 renamed the one that told 4.46 from 4.45
-    here. (Read without `packaging`: transformers' remote-code check asks for every package a file imports.)"""
-    installed = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", transformers.__version__).groups())
+def version_at_least(version: str, release: str) -> bool:
+    """Whether `version` is the "major.minor" `release` or later, its development builds included. (Read without
+    `packaging`: transformers' remote-code check asks for every package a file imports.)"""
+    installed = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
     return installed >= tuple(int(part) for part in release.split("."))
+
+
+def transformers_at_least(release: str) -> bool:
+    """Whether the installed transformers is `release` or later. Releases are told apart by version, not by the name
+    of a parameter: 5.24 renamed the one that told 4.46 from 4.45 here."""
+    return version_at_least(transformers.__version__, release)
+
+
+def torch_at_least(release: str) -> bool:
+    """Whether the installed torch is `release` or later."""
+    return version_at_least(torch.__version__, release)
 
 
 try:  # the attention-function registry appeared in 4.48
@@ -250,6 +261,11 @@ _MAX_LENGTH_QUERY = (
     if hasattr(Cache, "get_max_length") and (transformers_at_least("5.0") or not hasattr(Cache, "get_max_cache_shape"))
     else "get_max_cache_shape"
 )
+
+
+# torch 2.5 added scaled_dot_product_attention(enable_gqa=True): key/value groups attend without being expanded.
+# torch 2.4 (GLM-4's own requirements name torch>=2.4.0) has no such argument: an unmasked prompt expands them once.
+_SDPA_HAS_GQA = torch_at_least("2.5")
 
 
 def is_compiling() -> bool:
@@ -653,6 +669,8 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
                          "(a prompt cannot be empty; the GLM tokenizers start every prompt with [gMASK] <sop>).")
 
     past = cached_length(past_key_values, model, batch)
+    if isinstance(past, int):
+        check_cache_room(past_key_values, past + length, f"{past} cached and {length} new")
     tokens = past - cached_prefix(model, past)  # a 2-D mask covers the tokens, not a P-tuning v2 prefix
     if attention_mask is not None:
         columns = f"{tokens} + {length}" if isinstance(past, int) else "the cached and the new tokens"
@@ -675,11 +693,6 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
                 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length \
                 or not is_integer(position_ids):
             refuse("position_ids", position_ids, f"an integer tensor [{batch}, {length}] (batch, new tokens)")
-
-    capacity = max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None
-    if capacity is not None and isinstance(past, int) and past + length > capacity:
-        raise cache_argument_error(f"is a static cache of {capacity} tokens, which cannot take {length} new "
-                                   f"tokens after {past}: create it with a larger max_cache_len.")
 
 
 def check_one_float_width(model: nn.Module):
@@ -715,11 +728,51 @@ def check_loaded_weights(model: nn.Module, loading_info: dict, source):
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+def damaged_file_error(path, problem: str) -> ValueError:
+    return ValueError(f"{path} is damaged or incomplete: {problem}. Download it again (an interrupted download or a "
+                      "full disk leaves such a file), or save the checkpoint again.")
+
+
 def index_shards(index_file: str, wanted=lambda key: True) -> list:
     """The shard file names a sharded checkpoint's index (`*.index.json`) gives for the wanted keys, sorted."""
-    with open(index_file) as index:
-        weight_map = json.load(index)["weight_map"]
-    return sorted({shard for key, shard in weight_map.items() if wanted(key)})
+    try:
+        with open(index_file, "rb") as index:
+            weight_map = json.loads(index.read())["weight_map"]
+        return sorted({shard for key, shard in weight_map.items() if wanted(key)})
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        raise damaged_file_error(index_file, "it is not a JSON object with a 'weight_map' table") from None
+
+
+# safetensors' own limit on a header's size; a length field beyond it (or beyond the file) is damage, not a header.
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def read_safetensors_header(path: str) -> dict:
+    """The JSON header of a .safetensors file ({name: {"dtype", "shape", "data_offsets"}}, and "__metadata__"),
+    checked against the file's size before anything is allocated: a damaged or cut file fails naming itself instead
+    of a bare JSONDecodeError, OverflowError or MemoryError."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        if size < 8:
+            raise damaged_file_error(path, f"it holds {size} bytes, fewer than the 8 of a safetensors header length")
+        length = int.from_bytes(handle.read(8), "little")
+        if length > min(size - 8, SAFETENSORS_MAX_HEADER):
+            raise damaged_file_error(path, f"its header length field says {length} bytes, and the file holds "
+                                           f"{size - 8} after it")
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+        entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        data_end = max((int(entry["data_offsets"][1]) for entry in entries.values()), default=0)
+        if not all(isinstance(entry["dtype"], str) for entry in entries.values()):
+            raise TypeError
+    except (ValueError, UnicodeDecodeError, AttributeError, KeyError, TypeError, IndexError):
+        raise damaged_file_error(path, "its header is not a safetensors header (JSON naming each tensor's dtype, "
+                                       "shape and data offsets)") from None
+    if data_end > size - 8 - length:
+        raise damaged_file_error(path, f"its header places tensor data up to byte {data_end} of the data, and the "
+                                       f"file holds {size - 8 - length} bytes of data")
+    return header
 
 
 def with_variant(name: str, variant: Optional[str]) -> str:
@@ -769,8 +822,7 @@ def non_float_tensors(files: list) -> list:
     found = []
     for file in files:
         if file.endswith(".safetensors"):
-            with open(file, "rb") as handle:
-                header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+            header = read_safetensors_header(file)
             names = {"BOOL": "bool", "I": "int", "U": "uint", "C": "complex"}
             found += [(name, names.get(entry["dtype"]) or names.get(entry["dtype"][0], "") + entry["dtype"][1:], file)
                       for name, entry in header.items()
@@ -1031,6 +1083,21 @@ def cache_argument_error(problem: str) -> ValueError:
     return ValueError(f"past_key_values {problem}")
 
 
+def check_cache_room(cache, needed: int, what: str):
+    """A static cache holds max_cache_len slots; a step needing more would fail further on, unclearly (on the 4-D
+    mask generate() sized for the cache, or in the cache's index copy). Checked first: by the forward where the
+    cached length is an int (a static cache on an accelerator counts its slots in a tensor, and reading it costs a
+    host sync), and by generate() from the length of its ids."""
+    capacity = max_cache_length(cache) if isinstance(cache, Cache) else None
+    if capacity is None or needed <= capacity:
+        return
+    raise cache_argument_error(
+        f"is a static cache of {capacity} tokens (max_cache_len={capacity}); this step needs {needed} ({what}). "
+        "Create it with max_cache_len of at least the prompt plus max_new_tokens (plus pre_seq_len with a P-tuning "
+        "v2 prefix)."
+    )
+
+
 def first_layer_keys(cache: Cache) -> Optional[torch.Tensor]:
     """Layer 0's keys [batch, kv_heads, slots, head_dim] as `cache` holds them, None while it holds none (a new cache;
     4.56+ static caches allocate on the first update). 4.56+ keep them on `cache.layers`, earlier releases in
@@ -1253,7 +1320,8 @@ def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dr
     """SDPA with the key/value groups kept as groups, so that no decode step copies the cache: one new token's query
     heads attend as rows of their group (a mask broadcasts over them), an unmasked prompt uses torch's `enable_gqa`.
     A masked prompt expands the groups once (CUDA's fused kernels take a mask or groups, not both), as transformers
-    does."""
+    does, and so does an unmasked prompt on torch < 2.5 (folding the groups into the query rows instead would need an
+    explicit causal mask of groups x prompt x keys, larger than the copy, and would lose the fused causal kernels)."""
     batch, heads, query_length, dim = query.shape
     groups = module.num_key_value_groups
     if groups > 1 and query_length == 1:
@@ -1262,11 +1330,12 @@ def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dr
             dropout_p=dropout, scale=scaling,
         ).reshape(batch, heads, 1, dim)
     else:
-        if attention_mask is not None:
+        grouped = attention_mask is None and groups > 1 and _SDPA_HAS_GQA
+        if not grouped:
             key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            is_causal=attention_mask is None and query_length > 1, enable_gqa=attention_mask is None and groups > 1,
+            is_causal=attention_mask is None and query_length > 1, **({"enable_gqa": True} if grouped else {}),
         )
     return out.transpose(1, 2).contiguous(), None
 
@@ -1410,12 +1479,15 @@ class LayerInputs:
 
     def on(self, device: Optional[torch.device]) -> AttentionInputs:
         if device not in self._copies:
-            source = self._source
-            moved = {name: device_boundary(getattr(source, name), device)
-                     for name in ("cos", "sin", "mask", "cache_position")}
-            moved["kernel_kwargs"] = {name: device_boundary(value, device) if isinstance(value, torch.Tensor) else value
-                                      for name, value in source.kernel_kwargs.items()}
-            self._copies[device] = source._replace(**moved)
+            # Plain loops and the constructor: torch 2.4's dynamo traces neither a comprehension that reads `device`
+            # nor NamedTuple._replace (torch.compile fails there, fullgraph or not).
+            source, kernel_kwargs = self._source, {}
+            for name, value in source.kernel_kwargs.items():
+                kernel_kwargs[name] = device_boundary(value, device) if isinstance(value, torch.Tensor) else value
+            self._copies[device] = AttentionInputs(
+                device_boundary(source.cos, device), device_boundary(source.sin, device),
+                device_boundary(source.mask, device), device_boundary(source.cache_position, device),
+                source.implementation, kernel_kwargs)
         return self._copies[device]
 
 
@@ -2067,6 +2139,7 @@ def read_prefix_file(path, names=PREFIX_FILES, shapes_only: bool = False) -> Tup
         if file.endswith(".safetensors"):
             from safetensors import safe_open
 
+            read_safetensors_header(file)  # a damaged file is named (safetensors' own error names none)
             with safe_open(file, "pt") as weights:
                 for name in filter(wanted, weights.keys()):
                     tensors[name] = (torch.empty(weights.get_slice(name).get_shape(), device="meta") if shapes_only
@@ -2310,7 +2383,28 @@ def checked_history(history) -> list:
             )
         if message["role"] not in CHAT_ROLES:
             raise ValueError(f"history[{index}] has role {message['role']!r}; the roles are {', '.join(CHAT_ROLES)}.")
-    return [dict(message) for message in history]
+    return [with_text_content(dict(message), index) for message in history]
+
+
+def with_text_content(message: dict, index: int) -> dict:
+    """The message with OpenAI-style content parts ([{"type": "text", "text": ...}, ...]) joined into its text, as
+    chat templates that take parts read them (the text parts in order, nothing between them). A GLM chat template
+    renders content as a string: a list would be written into the prompt as its Python repr."""
+    parts = message.get("content")
+    if not isinstance(parts, (list, tuple)):
+        return message
+    for number, part in enumerate(parts):
+        where = f"history[{index}]['content'][{number}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(
+                f"{where} is a {kind!r} part; chat() takes text parts only ({{'type': 'text', 'text': ...}}). "
+                "GLM-4V (glm-4v-9b) takes an image as the message's 'image' (a PIL image), not as a content part."
+            )
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where} is a text part without a str 'text': {part!r:.100}.")
+    message["content"] = "".join(part["text"] for part in parts)
+    return message
 
 
 def chat_stop_ids(tokenizer) -> list:
@@ -2320,22 +2414,49 @@ def chat_stop_ids(tokenizer) -> list:
 
 def chat_inputs(tokenizer, query: str, history: list, role: str, continuing: bool = False):
     """Model inputs for `history` + (`role`, `query`), ending where the assistant answers: ChatGLM3's
-    `build_chat_input`, or the chat template of GLM-4 tokenizers. `continuing` (a cache holds the history): only the
-    new turn, without the `[gMASK]<sop>` prefix the cache already starts with."""
+    `build_chat_input`, or the tokenizer's chat template (GLM-4). `continuing` (a cache holds the history): only the
+    ids that follow the history, so that the cache and they make the whole conversation (new_turn_inputs)."""
     if role not in CHAT_ROLES:
         raise ValueError(f"role={role!r} is not a chat role; the roles are {', '.join(CHAT_ROLES)}.")
     if not isinstance(query, str):
         raise ValueError(f"query must be a str, got {type(query).__name__}.")
     if hasattr(tokenizer, "build_chat_input"):
-        inputs = tokenizer.build_chat_input(query, history=[] if continuing else history, role=role)
-    else:
-        messages = ([] if continuing else history) + [{"role": role, "content": query}]
-        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                               return_tensors="pt", return_dict=True)
-    if continuing:
+        if not continuing:
+            return dict(tokenizer.build_chat_input(query, history=history, role=role))
+        # ChatGLM3's layout: get_prefix_tokens() ([gMASK] sop), then one block per message; the cache holds the
+        # prefix and the history's blocks, the new message's block follows.
         prefix = len(tokenizer.get_prefix_tokens())
-        inputs = {name: value[:, prefix:] for name, value in inputs.items()}
-    return dict(inputs)
+        return {name: value[:, prefix:] for name, value in tokenizer.build_chat_input(query, role=role).items()}
+    inputs = dict(rendered_chat(tokenizer, history + [{"role": role, "content": query}], True))
+    return new_turn_inputs(tokenizer, history, inputs) if continuing else inputs
+
+
+def rendered_chat(tokenizer, messages: list, add_generation_prompt: bool):
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                         return_tensors="pt", return_dict=True)
+
+
+def new_turn_inputs(tokenizer, history: list, inputs: dict) -> dict:
+    """The part of the whole conversation's inputs (`inputs`, rendered afresh) after what a cache of `history` holds:
+    the history rendered alone, which must be where the whole rendering starts. Nothing about the template is
+    assumed (a leading [gMASK]<sop>, a default system prompt it adds, how a turn ends). Without a history, the cache
+    holds no message (a document, say, put there by the caller) and the whole rendering follows it. Images belong to
+    the history's messages: their rows are in the cache."""
+    inputs.pop("images", None)
+    if not history:
+        return inputs
+    held = rendered_chat(tokenizer, history, False)["input_ids"][0]
+    whole = inputs["input_ids"][0]
+    same = torch.eq(whole[:len(held)], held[:len(whole)])
+    if len(held) >= len(whole) or not bool(same.all()):
+        parted = int((~same).nonzero()[0, 0]) if not bool(same.all()) else min(len(held), len(whole))
+        raise ValueError(
+            f"stream_chat(past_key_values=...) continues a cache that holds `history`, but this tokenizer's chat "
+            f"template renders `history` followed by the new message differently from `history` alone (from id "
+            f"{parted} on), so the new message's ids cannot be placed after the cache. Pass past_key_values=None: "
+            "the whole conversation is then sent."
+        )
+    return {name: value[:, len(held):] for name, value in inputs.items()}
 
 
 def checked_pairs(history) -> list:
@@ -2496,9 +2617,11 @@ class ChatMixin:
                     past_key_values=None, max_length: int = 8192, do_sample=True, top_p=0.8, temperature=0.8,
                     logits_processor=None, return_past_key_values=False, **kwargs):
         """chat() that yields (response, history) as the answer grows (whole characters only), with the cache as a
-        third item when `return_past_key_values`; pass that cache back to continue the conversation without
-        recomputing it. ChatGLM2: with a history and no cache the whole prompt is sent (the original sent only the
-        last round when return_past_key_values was set, dropping the history)."""
+        third item when `return_past_key_values`; pass that cache back (with the history this call returned) to
+        continue the conversation without recomputing it: the cache and the new ids make the whole conversation as
+        the chat template renders it. ChatGLM2: with a history and no cache the whole prompt is sent (the original
+        sent only the last round when return_past_key_values was set, dropping the history). A prompt that reaches
+        max_length gets one token, as in the original (chat() raises generate()'s ValueError there)."""
         chat = chat_format(tokenizer)
         history = chat.checked_history(history)
         inputs = chat.inputs(tokenizer, query, history, role, continuing=past_key_values is not None)
@@ -2548,7 +2671,8 @@ class ChatMixin:
         """Sampling or greedy decoding that yields the ids so far (prompt included) after every new token, with the
         cache when `return_past_key_values`. Takes generate()'s sampling settings (max_length / max_new_tokens,
         do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id) and model inputs
-        (attention_mask, position_ids, past_key_values)."""
+        (attention_mask, position_ids, past_key_values). A prompt that reaches max_length still gets one new token,
+        with a warning, as in the original (generate() refuses it)."""
         config = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
         model_inputs = config.update(**kwargs)
         attention_mask = model_inputs.pop("attention_mask", None)
@@ -2572,8 +2696,11 @@ class ChatMixin:
         processors = sampling_processors(config, logits_processor, prefix_allowed_tokens_fn)
         stopping_criteria = stopping_criteria if stopping_criteria is not None else []
         unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=device)
+        if input_ids.shape[1] >= max_length:  # the original's warning; it generated one token all the same
+            logger.warning(f"Input length of input_ids is {input_ids.shape[1]}, but `max_length` is set to "
+                           f"{max_length}: one token is generated. Raise max_length, or set max_new_tokens.")
         step_ids = input_ids
-        while input_ids.shape[1] < max_length:
+        while True:
             outputs = self(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
             past_key_values = returned_cache(outputs)
@@ -2589,7 +2716,8 @@ class ChatMixin:
             step_ids, position_ids = next_tokens[:, None], None  # positions now follow the attention mask
             unfinished &= ~torch.isin(next_tokens, stop_ids)
             yield (input_ids, past_key_values) if return_past_key_values else input_ids
-            if not unfinished.any() or any(bool(torch.all(c(input_ids, scores))) for c in stopping_criteria):
+            if not unfinished.any() or input_ids.shape[1] >= max_length \
+                    or any(bool(torch.all(c(input_ids, scores))) for c in stopping_criteria):
                 break
 
     def cached_tokens(self, cache) -> int:
@@ -2855,6 +2983,9 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         it returns hold the cache as `past_key_values` on every release: PEFT (0.12 to 0.21, the newest) looks for it
         there and puts its prefix-tuning prefix there, so under 5.24's `cache` a prefix would come as a second cache."""
         past_key_values = caller_cache(past_key_values, kwargs.pop("cache", None))
+        if inputs_embeds is None:  # the cache holds the ids but the newest (and the prefix slots): no host sync
+            check_cache_room(past_key_values, input_ids.shape[-1] + prefix_length(self),
+                             f"the {input_ids.shape[-1]} tokens of the sequence so far")
         if position_ids is not None and inputs_embeds is None and position_ids.shape[-1] < input_ids.shape[-1]:
             position_ids = extend_position_ids(position_ids, input_ids.shape[-1])
         if _HAS_GENERIC_PREPARE_INPUTS:

@@ -39,16 +39,20 @@ import torch.nn.functional as F
 from torch import nn
 
 # ======================================================================================================================
-# Compatibility: torch >= 2.5 (public torch.distributed.tensor), transformers 4.44.2 ... 5.x
+# Compatibility: torch 2.4 ... (DTensor public since 2.5), transformers 4.44.2 ... 5.x
 # ======================================================================================================================
 
-try:  # torch >= 2.5 (the public torch.distributed.tensor namespace)
+try:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
-except ImportError as error:  # pragma: no cover - torch < 2.5, or a build without torch.distributed
+
+    try:  # torch >= 2.5: the public torch.distributed.tensor namespace
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    except ImportError:  # torch 2.4: the same classes under their private name
+        from torch.distributed._tensor import DTensor, Partial, Replicate, Shard
+except ImportError as error:  # pragma: no cover - a build without torch.distributed
     raise ImportError(
-        f"ChatGLM tensor parallelism needs torch >= 2.5 with torch.distributed; torch {torch.__version__} is installed."
+        f"ChatGLM tensor parallelism needs torch >= 2.4 with torch.distributed; torch {torch.__version__} is installed."
     ) from error
 
 # The from_pretrained arguments that ask for tensor parallelism. `tp_plan` / `tp_size` / `device_mesh`: transformers

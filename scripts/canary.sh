@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The canary: is the next release of what users install with us already a break? Builds a fresh environment with the
-# newest transformers, PEFT, TRL, accelerate and tokenizers on the package registry (torch stays at the pinned CPU
-# wheel) and runs the daily selection of the suite (scripts/test.sh --quick: no multi-device tests) with the users'
-# recipes whole. Prints the versions it used beside the newest row of the pinned matrix, then what broke.
+# newest torch, transformers, PEFT, TRL, accelerate and tokenizers on the package registry (that torch is a CUDA build,
+# about 3 GB with its nvidia-* packages; it runs on a CPU) and runs the daily selection of the suite (scripts/test.sh
+# --quick: no multi-device tests) with the users' recipes whole. Prints the versions it used beside the newest row of
+# the pinned matrix (and torch beside the pinned 2.13.0 of the matrix), then what broke.
 # Not part of CI, which stays on the pinned matrix (scripts/test.sh). Run it at the start of every day of work.
 #   scripts/canary.sh                 # about 5 minutes on 2 cores, plus the downloads of new releases
 #   scripts/canary.sh -k cache_use    # extra pytest arguments
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-export CHATGLM_VENV="${CHATGLM_CANARY_VENV:-$ROOT/.venv-canary}"
+export CHATGLM_VENV="${CHATGLM_CANARY_VENV:-$ROOT/.venv-canary}" CHATGLM_TORCH=newest
 rm -rf "$CHATGLM_VENV"
 echo "canary: a fresh environment in $CHATGLM_VENV with the newest releases on the registry"
 # shellcheck source=env.sh
@@ -20,11 +21,11 @@ trap 'rm -rf "$REPORTS"' EXIT
 PINNED_TRANSFORMERS="$(sed -n 's/^MATRIX=(.* \([0-9.]*\))$/\1/p' "$ROOT/scripts/test.sh")"
 companion_pins "$PINNED_TRANSFORMERS"
 echo "canary: versions (newest on the registry / newest row of the pinned matrix)"
-"$PY" - "$PINNED_TRANSFORMERS" "$PEFT_PIN" "$TRL_PIN" <<'PY'
+"$PY" - "$PINNED_TRANSFORMERS" "$PEFT_PIN" "$TRL_PIN" "$DEFAULT_TORCH" <<'PY'
 import importlib.metadata as metadata, sys
-pinned = dict(zip(("transformers", "peft", "trl"), sys.argv[1:]))
+pinned = dict(zip(("transformers", "peft", "trl", "torch"), sys.argv[1:]))
 for name in ("transformers", "peft", "trl", "accelerate", "tokenizers", "huggingface-hub", "safetensors", "torch"):
-    have, pin = metadata.version(name), pinned.get(name)
+    have, pin = metadata.version(name).split("+")[0], pinned.get(name)
     note = "" if pin is None else ("  (pinned)" if have == pin else f"  NEWER than the pinned {pin}")
     print(f"  {name:16} {have}{note}")
 PY

@@ -3,12 +3,17 @@
 # (the CPU wheel) installed once and pinned, so that no later install can pull another torch.
 # Usage: source scripts/env.sh [TRANSFORMERS_VERSION]   (empty or absent: the newest tested release; `newest`: the
 #        newest release on the registry of transformers, PEFT, TRL, accelerate and tokenizers, for scripts/canary.sh)
+# CHATGLM_TORCH=VERSION: another torch release, in its own environment .venv-torchMAJOR.MINOR (the torch ends of
+#        scripts/test.sh); `newest`: the newest torch on the registry (scripts/canary.sh, in its own environment).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEFAULT_TORCH="2.13.0"
+TORCH="${CHATGLM_TORCH:-$DEFAULT_TORCH}"
 # CHATGLM_MINIMAL=1: the minimal environment (only the six dependencies and the test runner), in its own venv.
-if [ "${CHATGLM_MINIMAL:-0}" = 1 ]; then VENV="${CHATGLM_MINIMAL_VENV:-$ROOT/.venv-minimal}"; else VENV="${CHATGLM_VENV:-$ROOT/.venv}"; fi
+if [ "${CHATGLM_MINIMAL:-0}" = 1 ]; then VENV="${CHATGLM_MINIMAL_VENV:-$ROOT/.venv-minimal}"
+elif [ "$TORCH" != "$DEFAULT_TORCH" ]; then VENV="${CHATGLM_VENV:-$ROOT/.venv-torch${TORCH%.*}}"
+else VENV="${CHATGLM_VENV:-$ROOT/.venv}"; fi
 PY="$VENV/bin/python"
-CONSTRAINTS="$ROOT/scripts/constraints.txt"
 # Newest release the repository is tested against; the demo runs on it.
 DEFAULT_TRANSFORMERS="5.24.0"
 
@@ -21,11 +26,25 @@ if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
   setup_step_done
 fi
+# Every install runs with a constraints file that pins the environment's torch, so that no later install can pull
+# another one: scripts/constraints.txt for the default torch, else one written into the environment.
+CONSTRAINTS="$ROOT/scripts/constraints.txt"
+if [ "$TORCH" != "$DEFAULT_TORCH" ]; then
+  CONSTRAINTS="$VENV/torch-constraint.txt"
+  [ "$TORCH" = newest ] && : >"$CONSTRAINTS" || echo "torch==$TORCH" >"$CONSTRAINTS"
+fi
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
-if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-  setup_step "installing torch 2.13.0 (the CPU wheel, about 200 MB to download on a first run)"
-  pip_install torch==2.13.0
+torch_version() { "$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true; }
+case "$TORCH" in
+  "$DEFAULT_TORCH") TORCH_DOWNLOAD="the CPU wheel, about 200 MB to download on a first run" ;;
+  newest) TORCH_DOWNLOAD="the newest on the registry: a CUDA build, about 3 GB with its nvidia-* packages" ;;
+  *) TORCH_DOWNLOAD="the registry's CUDA build (it runs on a CPU), about 2.5 GB with its nvidia-* packages" ;;
+esac
+if [ "$TORCH" = newest ] || [ "$(torch_version)" != "$TORCH" ]; then
+  setup_step "installing torch $TORCH ($TORCH_DOWNLOAD)"
+  if [ "$TORCH" = newest ]; then pip_install --upgrade torch; else pip_install "torch==$TORCH"; fi
   setup_step_done
+  if [ "$TORCH" = newest ]; then echo "torch==$(torch_version)" >"$CONSTRAINTS"; fi
 fi
 # The six dependencies and the test runner; then, unless CHATGLM_MINIMAL=1, what the tests exercise as users do:
 # Pillow (GLM-4V images), torchao and optimum-quanto (model.quantize()); PEFT and TRL come with each transformers
@@ -35,9 +54,11 @@ if ! "$PY" -c 'import accelerate, safetensors, sentencepiece, tiktoken, pytest, 
   pip_install accelerate safetensors sentencepiece tiktoken pytest hypothesis
   setup_step_done
 fi
-if [ "${CHATGLM_MINIMAL:-0}" != 1 ] && ! "$PY" -c 'import PIL, torchao, optimum.quanto' 2>/dev/null; then
-  setup_step "installing pillow, torchao, optimum-quanto (for the tests of optional features)"
-  pip_install pillow torchao optimum-quanto
+# torch 2.4 gets torchao 0.6.1, of its months: later releases read dtypes that torch 2.5 added (torch.int1).
+TORCHAO=torchao; case "$(torch_version)" in 2.4.*) TORCHAO=torchao==0.6.1 ;; esac
+if [ "${CHATGLM_MINIMAL:-0}" != 1 ] && ! "$PY" -c 'import PIL, torchao.quantization, optimum.quanto' 2>/dev/null; then
+  setup_step "installing pillow, $TORCHAO, optimum-quanto (for the tests of optional features)"
+  pip_install pillow "$TORCHAO" optimum-quanto
   setup_step_done
 fi
 

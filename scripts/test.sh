@@ -6,9 +6,14 @@
 #   scripts/test.sh 5.24.0 -k parity   # one version, extra pytest arguments
 #   scripts/test.sh --quick         # daily work: the newest version, no multi-device / tensor-parallel tests
 #   scripts/test.sh --minimal [VERSION]   # only the core suite in the minimal environment
+#   scripts/test.sh --torch-ends    # only the torch ends (below)
 # The whole matrix also runs the core suite in a minimal environment (.venv-minimal: only torch, transformers,
 # accelerate, safetensors, sentencepiece, tiktoken and the test runner) on the oldest and newest versions: tests of
 # optional features skip there naming their package, and nothing else may need more than the six dependencies.
+# It also runs the core suite (with the attention and torch.compile tests) at the two ends of the torch range, each in
+# its own environment (scripts/env.sh, CHATGLM_TORCH): the oldest torch users have (2.4, GLM-4's own floor) with the
+# oldest transformers, and the newest torch on the registry with the newest transformers (the matrix itself runs on
+# torch 2.13.0).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0 5.24.0)
@@ -17,11 +22,15 @@ MINIMAL=("$OLDEST" "$NEWEST")
 CORE=(tests/test_loading.py tests/test_parity.py tests/test_generation.py tests/test_cache_use.py tests/test_chat.py
       tests/test_inputs.py tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py
       tests/test_recipes.py tests/test_overrides.py tests/test_dependencies.py)
-if [ $# -gt 0 ] && [ "$1" = "--minimal" ]; then
-  shift; MATRIX=()
+TORCH_ENDS=("2.4.1 $OLDEST" "2.14.1 $NEWEST")
+TORCH_SENSITIVE=(tests/test_attention.py tests/test_compile.py)  # besides the core suite: the kernels, torch.compile
+if [ $# -gt 0 ] && [ "$1" = "--torch-ends" ]; then
+  shift; MATRIX=(); MINIMAL=()
+elif [ $# -gt 0 ] && [ "$1" = "--minimal" ]; then
+  shift; MATRIX=(); TORCH_ENDS=()
   if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+\.[0-9]+ ]]; then MINIMAL=("$1"); shift; fi
 elif [ $# -gt 0 ]; then
-  MINIMAL=()  # a version or --quick: the full environment only
+  MINIMAL=(); TORCH_ENDS=()  # a version or --quick: the full environment only
 fi
 if [ $# -gt 0 ] && [ "$1" = "--quick" ]; then shift; set -- "$NEWEST" -m "not matrix_ends and not multi_device" "$@"; fi
 if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+\.[0-9]+ ]]; then MATRIX=("$1"); shift; fi
@@ -47,6 +56,14 @@ sys.exit(f"the minimal environment holds optional packages: {present}" if presen
 CHECK
   rc=$?
   if [ $rc -ne 0 ]; then status=1; echo "transformers $version, minimal environment: exited $rc"; fi
+done
+for end in "${TORCH_ENDS[@]}"; do
+  read -r torch version <<<"$end"
+  echo "=== torch $torch, transformers $version ==="
+  (export CHATGLM_TORCH="$torch" && source "$ROOT/scripts/env.sh" "$version" >/dev/null && cd "$ROOT" && \
+    "$PY" -m pytest -q --junitxml="$REPORTS/$version-torch$torch.xml" "${CORE[@]}" "${TORCH_SENSITIVE[@]}" "$@")
+  rc=$?
+  if [ $rc -ne 0 ]; then status=1; echo "torch $torch, transformers $version: exited $rc"; fi
 done
 python3 - "$REPORTS" <<'PY'
 import sys, pathlib, xml.etree.ElementTree as ET

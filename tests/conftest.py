@@ -3,6 +3,7 @@
 The environment is fixed here, before anything imports transformers: remote code goes to a fresh modules cache
 (a stale copy from an earlier run would otherwise be tested), and nothing may reach a hub.
 """
+import logging
 import os
 import shutil
 import sys
@@ -287,5 +288,26 @@ def save_checkpoint(model, folder: Path) -> Path:
     """save_pretrained plus our code files: a folder a user can load with trust_remote_code."""
     model.save_pretrained(folder)
     return copy_code_into(folder)
+
+class LoggedMessages(logging.Handler):
+    """`with LoggedMessages(name) as log:` collects what the logger `name` (and its children) log in `log.messages`,
+    `warning_once` messages included (its memory of earlier messages is cleared)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.logger = logging.getLogger(name)
+
+    def __enter__(self):
+        logging.Logger.warning_once.cache_clear()
+        self.messages = []
+        self.logger.addHandler(self)
+        return self
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+
 
 from tokenizer_fixtures import *  # noqa: E402,F401,F403  (tokenizer fixtures, shared by several test modules)

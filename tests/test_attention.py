@@ -1,6 +1,7 @@
 """Attention: weights whatever the kernel, packed (padding-free) rows, caches without a mask, custom 4D masks and
 kernels registered with transformers."""
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,6 +172,41 @@ def make_cache(model, kind, batch, length):
         if name in params:
             kwargs[name] = value
     return StaticCache(**kwargs)
+
+
+def without_enable_gqa(monkeypatch, chatglm):
+    """torch 2.4 as the model sees it: scaled_dot_product_attention without `enable_gqa` (torch 2.5 added it)."""
+    sdpa = F.scaled_dot_product_attention
+
+    def torch_2_4_sdpa(*args, **kwargs):
+        if "enable_gqa" in kwargs:
+            raise TypeError("scaled_dot_product_attention() got an unexpected keyword argument 'enable_gqa'")
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", torch_2_4_sdpa)
+    monkeypatch.setattr(chatglm.modeling, "_SDPA_HAS_GQA", False, raising=False)
+
+
+@pytest.mark.parametrize("query_length", [7, 1], ids=["prompt", "decode"])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_grouped_sdpa_on_torch_2_4_equals_attention_over_expanded_groups(chatglm, monkeypatch, query_length,
+                                                                          with_mask):
+    """The grouped sdpa kernel on a torch without `enable_gqa` (2.4, GLM-4's floor, raised a TypeError on every
+    unmasked prompt) gives what attention over the key/value groups expanded to every head gives."""
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, groups, keys, dim = 2, 2, 4, 7, 16
+    module = SimpleNamespace(num_key_value_groups=groups)
+    query = torch.randn(batch, kv_heads * groups, query_length, dim, generator=generator)
+    key, value = (torch.randn(batch, kv_heads, keys, dim, generator=generator) for _ in range(2))
+    allowed = torch.ones(batch, 1, query_length, keys, dtype=torch.bool).tril(keys - query_length)
+    allowed[1, ..., :2] = False  # the second row's first two keys are padding
+    allowed |= ~allowed.any(dim=-1, keepdim=True)  # its padding queries see every key, as the model's masks have it
+    expected = F.scaled_dot_product_attention(query, *expand_kv(module, key, value),
+                                              attn_mask=allowed if with_mask else allowed[:1]).transpose(1, 2)
+    without_enable_gqa(monkeypatch, chatglm)
+    out, _ = chatglm.modeling.sdpa_grouped_attention_forward(module, query, key, value,
+                                                              allowed if with_mask else None)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
 CACHE_KINDS = ["dynamic", "static"] + (["legacy"] if TRANSFORMERS < Version("5.0") else [])

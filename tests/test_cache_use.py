@@ -6,7 +6,6 @@ and the cache is found among its arguments by type, not by name. A transformers 
 argument, or stops handing it over, fails here on its first decode step: transformers 5.24 renamed it `cache`, and
 generate() fed the whole sequence again at every step while the tokens stayed right."""
 import copy
-import logging
 from typing import List, NamedTuple
 
 import pytest
@@ -15,8 +14,8 @@ from packaging.version import Version
 from transformers.cache_utils import Cache
 
 from chatglm_tools import kv_cache
-from conftest import (FAMILIES, REAL_VOCABULARY, TINY_SIZES, TRANSFORMERS, glm4v_prompt, optional_package,
-                      random_images)
+from conftest import (FAMILIES, REAL_VOCABULARY, TINY_SIZES, TRANSFORMERS, LoggedMessages, glm4v_prompt,
+                      optional_package, random_images)
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 NEW_TOKENS = 5
@@ -110,6 +109,19 @@ def test_generate_continues_from_a_cache_the_caller_passes(tiny_model, chatglm, 
         fresh = model.generate(ids, max_new_tokens=NEW_TOKENS, **GREEDY)
     assert continued.tolist() == fresh.tolist()
     assert_cache_used(log.calls, prompt=4, new_tokens=NEW_TOKENS, held_at_start=8)
+
+
+@pytest.mark.parametrize("name", sorted({kv_cache.NAME, "past_key_values"}))  # 5.24 takes both names
+def test_generate_on_a_static_cache_too_short_names_max_cache_len(tiny_model, name):
+    """A StaticCache of 8 slots for 5 prompt tokens and 10 new ones failed after two new tokens with "attention_mask
+    must be a custom 4D mask ...", though the caller passed no mask."""
+    model = tiny_model("glm4")
+    cache = kv_cache.new_static_cache(model.config, 1, 8, device="cpu", dtype=torch.float32)
+    with torch.no_grad(), ForwardLog(model) as log, pytest.raises(
+            ValueError, match=r"static cache of 8 tokens \(max_cache_len=8\); this step needs 9 .*max_cache_len of "
+                              r"at least the prompt plus max_new_tokens"):
+        model.generate(random_ids(1, 5, seed=4), max_new_tokens=10, **{name: cache}, **GREEDY)
+    assert [call.held for call in log.calls] == [0, 5, 6, 7]  # refused before the step that needs a 9th slot
 
 
 def test_generate_from_inputs_embeds_feeds_the_embeddings_once(tiny_model):
@@ -236,28 +248,11 @@ def test_the_forward_takes_the_cache_under_the_releases_names(tiny_model):
 # ---- no deprecation from the model's own calls ----
 
 
-class TransformersLog(logging.Handler):
-    """Messages transformers logs, `warning_once` included (its memory of earlier messages is cleared)."""
-
-    def __enter__(self):
-        logging.Logger.warning_once.cache_clear()
-        self.messages = []
-        self.logger = logging.getLogger("transformers")
-        self.logger.addHandler(self)
-        return self
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self)
-
-
 def test_generate_and_chat_log_no_deprecation(chat_model):
     """The release's own names for everything the model passes and reads (5.24: `cache`, not `past_key_values`)."""
     model, tokenizer = chat_model
     ids = tokenizer("你好", return_tensors="pt")["input_ids"]
-    with torch.no_grad(), TransformersLog() as log:
+    with torch.no_grad(), LoggedMessages("transformers") as log:
         for cache_implementation in (None, "static"):
             model.generate(ids, max_new_tokens=3, cache_implementation=cache_implementation, **GREEDY)
         model.chat(tokenizer, "你好", history=[], **CHAT)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import REAL_VOCABULARY, optional_package, shared_path
+from chatglm_tools import kv_cache
+from conftest import REAL_VOCABULARY, LoggedMessages, optional_package, shared_path
 from tokenizer_fixtures import chatglm2_params, load_tokenizer, make_chatglm2_folder, make_tokenizer_folder
 
 TOKENIZER = {"chatglm3": "chatglm3_tokenizer", "glm4": "glm4_tokenizer"}
@@ -416,3 +417,122 @@ def test_chatglm3_folder_keeps_chatglm3s_chat(tiny_model, tmp_path, monkeypatch)
     sent = calls[0]["kwargs"]["input_ids"].tolist()
     assert sent == tokenizer.build_chat_input("你好")["input_ids"].tolist()
     assert 64795 in sent[0] and history[0] == {"role": "user", "content": "你好"}
+
+
+# ---- a continued chat: the cache and the new ids make the whole conversation, whatever the template ----
+
+HISTORY = [{"role": "user", "content": "你好"}, {"role": "assistant", "metadata": "", "content": "你好👋"}]
+CODEGEEX_SYSTEM = "你是一位智能编程助手，你叫CodeGeeX。你会为用户回答关于编程、代码、计算机方面的任何问题。"
+# Templates GLM-4 checkpoints ship besides glm-4-9b-chat's: codegeex4-all-9b's later one, as serving projects ship it,
+# renders no [gMASK]<sop>, adds a default system prompt when the first message is not a system one, and ends the
+# generation prompt with "<|assistant|>\n"; and glm-4-9b-chat's own without its [gMASK]<sop>.
+TEMPLATES = {
+    "default system prompt": (
+        "{% if messages[0]['role'] != 'system' %}<|system|>\n" + CODEGEEX_SYSTEM + "{% endif %}"
+        "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+    "no prefix": json.loads(shared_path("tokenizers", "glm-4-9b-chat", "tokenizer_config.json").read_text(
+        encoding="utf-8"))["chat_template"].replace("[gMASK]<sop>", ""),
+}
+
+
+@pytest.fixture(scope="module")
+def glm4_chat_model(tiny_model):
+    return tiny_model("glm4", padded_vocab_size=REAL_VOCABULARY["glm4"], hidden_size=32, num_attention_heads=2,
+                      kv_channels=16, ffn_hidden_size=48, num_layers=2)
+
+
+def rendered(tokenizer, messages, add_generation_prompt=False):
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_continued_chat_sends_what_follows_the_cached_history(glm4_chat_model, tokenizer_folder_factory,
+                                                               monkeypatch, template):
+    """The round sent after a cache of the history is the whole conversation rendered afresh less the history: it
+    cut the first two ids of the new round, assuming [gMASK]<sop> there (with the CodeGeeX template the round lost
+    <|system|> and the default system prompt's body landed mid-conversation). The answer is generate()'s on the
+    whole conversation."""
+    model = glm4_chat_model
+    tokenizer = load_tokenizer(tokenizer_folder_factory("glm4", "glm4-template",
+                                                        config_changes={"chat_template": TEMPLATES[template]}))
+    held = rendered(tokenizer, HISTORY)
+    whole = tokenizer.apply_chat_template(HISTORY + [{"role": "user", "content": "再见"}], add_generation_prompt=True,
+                                          tokenize=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        cache = kv_cache.returned(model(input_ids=held, use_cache=True))
+    calls = recorded_calls(monkeypatch, model, "stream_generate")
+    *_, (response, _) = model.stream_chat(tokenizer, "再见", history=HISTORY, past_key_values=cache, **GREEDY)
+    sent = calls[0]["kwargs"]["input_ids"]
+    assert torch.cat([held, sent], 1).tolist() == whole["input_ids"].tolist()
+    truth = answer_ids(model.generate(**whole, eos_token_id=stop_ids(tokenizer), **GREEDY)[0],
+                       whole["input_ids"].shape[1], stop_ids(tokenizer))
+    assert response == model.process_response(tokenizer.decode(truth), HISTORY)[0]
+
+
+def test_a_template_that_renders_the_history_otherwise_is_refused(glm4_chat_model, tokenizer_folder_factory):
+    """A template that marks the last message renders the history differently once a message follows it: the new
+    ids cannot be placed after the cache, and the error says so instead of sending a wrong round."""
+    template = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+                "{% if loop.last %} (latest){% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer = load_tokenizer(tokenizer_folder_factory("glm4", "glm4-last-marked",
+                                                        config_changes={"chat_template": template}))
+    with torch.no_grad():
+        cache = kv_cache.returned(glm4_chat_model(input_ids=rendered(tokenizer, HISTORY), use_cache=True))
+    with pytest.raises(ValueError, match=r"renders `history` followed by the new message differently.*"
+                                         r"past_key_values=None"):
+        list(glm4_chat_model.stream_chat(tokenizer, "再见", history=HISTORY, past_key_values=cache, **GREEDY))
+
+
+def answer_ids(ids, prompt_length: int, stops: list) -> list:
+    answer = ids[prompt_length:].tolist()
+    return answer[:-1] if answer and answer[-1] in stops else answer
+
+
+# ---- a prompt that reaches max_length ----
+
+
+@pytest.mark.parametrize("chat_kind", ["glm4", "chatglm2"])
+def test_stream_chat_past_max_length_gives_one_token_as_the_original(chat_kind, glm4_chat_model, glm4_tokenizer,
+                                                                      chatglm2_chat, monkeypatch):
+    """It raised UnboundLocalError ('text'). The originals' stream_generate generated one token and warned; their
+    chat() raised generate()'s ValueError, naming both lengths."""
+    model, tokenizer = (glm4_chat_model, glm4_tokenizer) if chat_kind == "glm4" else chatglm2_chat
+    calls = recorded_calls(monkeypatch, model, "stream_generate")
+    with LoggedMessages(type(model).__module__) as log:
+        steps = list(model.stream_chat(tokenizer, "hi", history=[], max_length=3, do_sample=False))
+    prompt = calls[0]["kwargs"]["input_ids"].shape[1]
+    assert prompt > 3 and len(steps) == 1 and calls[0]["result"][0].shape[1] == prompt + 1
+    assert any(f"Input length of input_ids is {prompt}, but `max_length` is set to 3" in m for m in log.messages)
+    with pytest.raises(ValueError, match=rf"Input length of input_ids is {prompt}, but `max_length` is set to 3"):
+        model.chat(tokenizer, "hi", history=[], max_length=3, do_sample=False)
+
+
+# ---- OpenAI-style content parts ----
+
+
+def test_history_with_text_content_parts_sends_their_text(chat_setup, monkeypatch):
+    """[{"type": "text", "text": ...}] content put the list's Python repr into the prompt."""
+    _, model, tokenizer = chat_setup
+    calls = recorded_calls(monkeypatch, model, "generate")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "Hi!"}]}]
+    _, history = model.chat(tokenizer, "再见", history=parts, **GREEDY)
+    model.chat(tokenizer, "再见", history=[{"role": "user", "content": "hello there"},
+                                          {"role": "assistant", "content": "Hi!"}], **GREEDY)
+    assert calls[0]["kwargs"]["input_ids"].tolist() == calls[1]["kwargs"]["input_ids"].tolist()
+    assert history[:2] == [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "Hi!"}]
+
+
+@pytest.mark.parametrize("part, message", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, r"is a 'image_url' part.*'image'"),
+    ({"type": "text", "text": None}, r"is a text part without a str 'text'"),
+    ("plain", r"is a 'str' part"),
+])
+def test_history_with_other_content_parts_is_refused_naming_them(chat_setup, part, message):
+    _, model, tokenizer = chat_setup
+    history = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
+    with pytest.raises(ValueError, match=r"history\[0\]\['content'\]\[1\] " + message):
+        model.chat(tokenizer, "hi", history=history, **GREEDY)

@@ -42,26 +42,29 @@ def exported(golden, tmp_path_factory):
     return source, before, root / "native"
 
 
-def load_native(folder):
+def load_native(folder, **kwargs):
     """As a user without remote code loads it."""
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), **{
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs, **{
         "dtype" if TRANSFORMERS >= Version("4.56") else "torch_dtype": torch.float32}).eval()
 
 
 @exported_cases
 def test_the_export_loads_without_remote_code_and_gives_the_golden_logits(golden, exported, golden_model):
     _, _, native_folder = exported
-    native = load_native(native_folder)
+    native = load_native(native_folder, attn_implementation="eager")  # golden_model's arithmetic: eager attention
     assert type(native).__name__ == "GlmForCausalLM"
     written = json.loads((native_folder / "config.json").read_text())
     source_ratio = json.loads((golden.folder / "config.json").read_text()).get("rope_ratio", 1)
     assert written["rope_ratio"] == source_ratio  # what llama.cpp's converter reads for the rotary base
     assert len(list(native_folder.glob("model-*-of-*.safetensors"))) > 1  # sharded as asked
+    # The goldens were computed in another process, maybe with another thread count, which moves logits by ~1e-5:
+    # FORMAT.md's 1e-4. Against our model in this process, with the same threads and attention arithmetic (eager),
+    # they differ by rounding only (3e-6 on a 2-core CPU): 1e-5. A real difference (rotary, norms) is above 1e-2.
     with torch.no_grad():
         for i in range(3):
             ids = golden.expected[f"seq_{i}_input_ids"][None]
             logits = native(input_ids=ids).logits[0]
-            torch.testing.assert_close(logits, golden.expected[f"seq_{i}_logits"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits, golden.expected[f"seq_{i}_logits"], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(logits, golden_model(input_ids=ids).logits[0], rtol=1e-5, atol=1e-5)
 
 

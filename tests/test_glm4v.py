@@ -92,7 +92,8 @@ def test_forward_with_an_image_matches_golden(glm4v_golden, attn):
     finally:
         for hook in hooks:
             hook.remove()
-    torch.testing.assert_close(seen["features"][0], e["image_features"], atol=1e-5, rtol=1e-5)
+    # recorded in another process: FORMAT.md's 1e-4 (another thread count moves values by ~1e-5)
+    torch.testing.assert_close(seen["features"][0], e["image_features"], atol=1e-4, rtol=1e-4)
     assert seen["rope"][0].tolist() == e["expanded_position_ids"].tolist()
     assert logits.shape == e["logits"].shape
     assert_logits_close(logits, e["logits"])

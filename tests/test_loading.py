@@ -655,3 +655,44 @@ def test_after_a_download_the_loaded_model_is_checked(tiny_model, chatglm, tmp_p
     with pytest.raises(ValueError, match=rf"^{re.escape(QKV)} is stored as int16 in {re.escape(str(file))};"):
         chatglm.modeling.check_stored_dtypes(file.parent, {}, model)
     assert chatglm.modeling.check_stored_dtypes(tmp_path / "elsewhere", {}, model) is False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Damaged weight files: the stored-dtype check reads every header before transformers does
+# ---------------------------------------------------------------------------------------------------------------------
+
+def header_length(data: bytes) -> int:
+    return int.from_bytes(data[:8], "little")
+
+
+# What an interrupted download, a full disk or a bad copy leaves, as bytes of a good file -> bytes of the damaged one.
+DAMAGES = {
+    "empty": lambda data: b"",
+    "cut to 4 bytes": lambda data: data[:4],
+    "random bytes": lambda data: torch.randint(0, 256, (len(data),), generator=torch.Generator().manual_seed(0),
+                                               dtype=torch.uint8).numpy().tobytes(),
+    "corrupt header": lambda data: data[:8] + b"\xff{not json" + b" " * (header_length(data) - 10)
+                                   + data[8 + header_length(data):],
+    "header length of 40 GiB": lambda data: (40 << 30).to_bytes(8, "little") + data[8:],
+    "cut in the tensor data": lambda data: data[:len(data) - 100],
+}
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "shards"])
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_weight_file_is_named_with_what_to_do(tiny_model, tmp_path, damage, layout):
+    """Each damage gave a bare JSONDecodeError, OverflowError or MemoryError from the stored-dtype check."""
+    model = tiny_model("glm4")
+    file = write_weights(model, tmp_path / "checkpoint", {QKV: model.state_dict()[QKV]}, layout)
+    file.write_bytes(DAMAGES[damage](file.read_bytes()))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(file))} is damaged or incomplete: .*Download it again"):
+        load_causal_lm(file.parent)
+
+
+def test_a_damaged_weights_index_is_named_with_what_to_do(tiny_model, tmp_path):
+    model = tiny_model("glm4")
+    folder = write_weights(model, tmp_path / "checkpoint", {QKV: model.state_dict()[QKV]}, "shards").parent
+    index = folder / "model.safetensors.index.json"
+    index.write_bytes(index.read_bytes()[:40])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(index))} is damaged or incomplete: .*Download it again"):
+        load_causal_lm(folder)

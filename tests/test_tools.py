@@ -548,6 +548,29 @@ def test_gpu_check_script_runs_on_a_cpu_only_machine(tmp_path):
     assert [r["family"] for r in data] == ["glm4", "chatglm3"] and all(r["ok"] for r in data)
 
 
+GPU_CHECK_ON_CPU = [sys.executable, str(REPO / "tools" / "gpu_check.py"), "--splits", "cpu,cpu", "--attn", "sdpa"]
+
+
+def test_gpu_check_leaves_nothing_behind_when_it_ends_fails_or_is_stopped(tmp_path):
+    """Every run left its copy of the model code in a chatglm-gpu-check-* folder of the temporary folder."""
+    env = dict(demo_environment(tmp_path), PYTHONUNBUFFERED="1")
+    ended = subprocess.run(GPU_CHECK_ON_CPU + ["--dtypes", "float32"], capture_output=True, text=True, env=env,
+                           timeout=600)
+    assert ended.returncode == 0 and left_behind(tmp_path) == [], ended.stderr[-2000:]
+    failed = subprocess.run(GPU_CHECK_ON_CPU + ["--dtypes", "no_such_dtype"], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert failed.returncode != 0 and "no_such_dtype" in failed.stderr
+    assert left_behind(tmp_path) == []
+    with subprocess.Popen(GPU_CHECK_ON_CPU + ["--dtypes", "float32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env) as stopped:
+        assert stopped.stdout.readline().startswith("family")  # the table's header: the code is copied by then
+        assert [name[:18] for name in left_behind(tmp_path)] == ["chatglm-gpu-check-"]
+        stopped.terminate()  # SIGTERM, as a service manager or `timeout` stops it
+        stopped.communicate(timeout=120)
+    assert stopped.returncode != 0
+    assert left_behind(tmp_path) == []
+
+
 @pytest.mark.matrix_ends
 @pytest.mark.parametrize("models", ["checkpoints", "in-memory"])
 def test_model_benchmark_runs_from_a_clone(tmp_path, models):

@@ -411,7 +411,16 @@ class _DeviceModule:
     manual_seed_all = manual_seed
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):
+# Python hooks for a PrivateUse1 backend (torch._C._acc) are newer than torch 2.4: without them there are no virtual
+# devices, and every test that asks for them skips, naming the torch release.
+_ACC = getattr(torch._C, "_acc", None)
+UNSUPPORTED = None if _ACC is not None else (
+    f"virtual devices need torch._C._acc (Python hooks for a PrivateUse1 backend), which torch {torch.__version__} "
+    "lacks"
+)
+
+
+class _Hooks(_ACC.PrivateUse1Hooks if _ACC else object):
     """What torch's C++ side asks a backend: whether it is there (torch.accelerator, DLPack import, ...)."""
 
     def is_available(self) -> bool:
@@ -424,7 +433,7 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
-class _DeviceGuard(torch._C._acc.DeviceGuard):
+class _DeviceGuard(_ACC.DeviceGuard if _ACC else object):
     """torch wants a device guard for every backend it runs kernels on. The Python one switches nothing and claims a
     single device (torch fixes both), which is fine for host memory, except for autograd: see virtual_devices."""
 
@@ -467,8 +476,8 @@ def _register() -> None:
     torch._register_device_module(BACKEND, _DeviceModule())
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
     _allocate_storages_through_tensors()
-    torch._C._acc.register_python_privateuseone_hook(_Hooks())
-    torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
+    _ACC.register_python_privateuseone_hook(_Hooks())
+    _ACC.register_python_privateuseone_device_guard(_DeviceGuard())
     every_op = torch.library.Library("_", "IMPL")
     every_op.fallback(_fallback, "PrivateUse1", with_keyset=True)
     # Autocast on a backend needs kernels for its Autocast key; passing through makes autocast cast nothing here.
@@ -491,6 +500,8 @@ def virtual_devices(n: int) -> Iterator[list[torch.device]]:
     global _device_count
     if not 1 <= n <= MAX_DEVICES:
         raise ValueError(f"virtual_devices takes 1 to {MAX_DEVICES} devices, not {n}")
+    if UNSUPPORTED:
+        pytest.skip(UNSUPPORTED)
     _register()
     previous = _device_count
     _device_count = n

@@ -14,6 +14,7 @@ import argparse
 import importlib
 import json
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -30,9 +31,9 @@ FAMILY_FIELDS = {  # the fields that differ between the families' real configs, 
 TOLERANCES = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (0.25, 0.5)}
 
 
-def import_repository_code():
-    """The repository's modeling code as a package (it imports its config relatively, as remote code does)."""
-    root = Path(tempfile.mkdtemp(prefix="chatglm-gpu-check-"))
+def import_repository_code(root: Path):
+    """The repository's modeling code as a package (it imports its config relatively, as remote code does), copied
+    into the folder `root`."""
     package = root / "chatglm_gpu_check"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -76,8 +77,17 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     splits = [s.split(",") for s in args.splits] if args.splits else default_splits()
-    modeling = import_repository_code()
+    # The copy of the model code goes in one temporary folder, removed at the end, also after an error, Ctrl-C or a
+    # kill (SIGTERM), as in examples/demo.py.
+    workdir = Path(tempfile.mkdtemp(prefix="chatglm-gpu-check-"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run(args, splits, import_repository_code(workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
+
+def run(args, splits: list, modeling) -> int:
     rows, failed = [], False
     header = f"{'family':9} {'dtype':9} {'attn':6} {'devices':28} {'logits':>9} {'grads':>9} greedy batch cache  ok"
     print(header)
