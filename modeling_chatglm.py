@@ -37,6 +37,7 @@ Where to change what (section: names):
                                 `ChatGLM2Chat`
   loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
   tensor parallelism            parallel_chatglm.py
+  pre-quantized weights (int4)  Config, sizes and checks: `linear_layer` (the one choice); quantization_chatglm.py
 """
 
 import ast
