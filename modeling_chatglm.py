@@ -37,6 +37,7 @@ Where to change what (section: names):
                                 `ChatGLM2Chat`
   loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
   tensor parallelism            parallel_chatglm.py
+  pre-quantized weights (int4)  Config, sizes and checks: `linear_layer` (the one choice); quantization_chatglm.py
 """
 
 import ast
@@ -577,6 +578,13 @@ def weight_storage(config) -> str:
     return f"int{bits}" if bits else "float"
 
 
+def linear_layer(config):
+    """The constructor of the blocks' linear layers: nn.Linear, or for a pre-quantized checkpoint the int8-stored
+    QuantizedLinear of the companion file quantization_chatglm.py (imported only for such a checkpoint)."""
+    if weight_storage(config) == "float":
+        return nn.Linear
+    return import_companion("quantization_chatglm", config).quantized_linear(config.quantization_bit)
+
 
 # Fields every ChatGLM2/3 and GLM-4 configuration class defines; the others this file reads have defaults.
 REQUIRED_CONFIG_FIELDS = (
@@ -597,11 +605,10 @@ def check_supported(config: ChatGLMConfig):
         )
     validate_config(config)
     complete_original_config(config)
-    if getattr(config, "quantization_bit", 0):
+    if weight_storage(config) not in ("float", "int4", "int8"):
         raise ValueError(
-            f"config.quantization_bit={config.quantization_bit}: the original's cpm_kernels quantization is not part "
-            "of this fork. Set quantization_bit to 0 and quantize at load time instead, for example "
-            "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))."
+            f"config.quantization_bit={config.quantization_bit}: checkpoints quantized by the original code store 4 "
+            "or 8 bits (0: float weights). Fix quantization_bit in config.json to the width the weights were saved with."
         )
     prefix_slots(config)  # a P-tuning v2 prefix length is valid (see that section)
     check_fits_in_memory(config)
@@ -1494,12 +1501,11 @@ class SelfAttention(nn.Module):
         self.sizes = AttentionSizes.from_config(config)
         self.scaling = self.sizes.head_dim ** -0.5
         self.is_causal = True
-        self.query_key_value = nn.Linear(
+        linear = linear_layer(config)
+        self.query_key_value = linear(
             config.hidden_size, self.sizes.qkv_features, bias=config.add_bias_linear or config.add_qkv_bias
         )
-        self.dense = nn.Linear(
-            self.sizes.num_heads * self.sizes.head_dim, config.hidden_size, bias=config.add_bias_linear
-        )
+        self.dense = linear(self.sizes.num_heads * self.sizes.head_dim, config.hidden_size, bias=config.add_bias_linear)
 
     @property
     def num_key_value_groups(self) -> int:  # read by transformers' attention functions
@@ -1543,8 +1549,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=config.add_bias_linear)
-        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        linear = linear_layer(config)
+        self.dense_h_to_4h = linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=config.add_bias_linear)
+        self.dense_4h_to_h = linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, hidden_states):
         gate, up = self.dense_h_to_4h(hidden_states).chunk(2, dim=-1)
@@ -1773,7 +1780,12 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         """Random weights for models built from a config (the original left them uninitialised)."""
         std = getattr(self.config, "initializer_range", 0.02)
-        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
+        if hasattr(module, "weight_scale"):  # a pre-quantized layer (quantization_chatglm.py): int8 codes, no draw
+            weight_init.zeros_(module.weight)
+            weight_init.ones_(module.weight_scale)
+            if module.bias is not None:
+                weight_init.zeros_(module.bias)
+        elif isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
             weight_init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 weight_init.zeros_(module.bias)
@@ -1962,9 +1974,9 @@ def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
     return source, commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
-# Files of this repository used only by an optional capability, loaded on demand: tensor parallelism, and GLM-4V's
-# vision tower (visual.py, for a config with vision_config).
-COMPANION_FILES = ("parallel_chatglm", "visual")
+# Files of this repository used only by an optional capability, loaded on demand: tensor parallelism, GLM-4V's
+# vision tower (visual.py, for a config with vision_config), pre-quantized weights (a config with quantization_bit).
+COMPANION_FILES = ("parallel_chatglm", "visual", "quantization_chatglm")
 
 
 def find_companion(name: str, config=None, checkpoint=None) -> Optional[Path]:
@@ -2720,6 +2732,12 @@ class ChatMixin:
         Returns the model. `empty_init` and `device` are accepted for old calling code and not needed."""
         if bits == 0:
             return self
+        if weight_storage(self.config) != "float":
+            raise ValueError(
+                f"quantize({bits}): this model is already quantized (quantization_bit={self.config.quantization_bit} "
+                "in config.json: it was loaded from a pre-quantized checkpoint such as chatglm2-6b-int4, whose layers "
+                "are quantized as stored). Call quantize() only on a model with float weights."
+            )
         quantize_linear_layers(self.transformer.encoder, bits)
         return self
 

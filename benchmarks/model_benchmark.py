@@ -17,7 +17,9 @@ noise a ratio is to be read against.
 Sections: KV bytes the cache keeps alive (every storage counted once, against the theory); prefill time and peak
 tensor memory; single-sequence decode at several contexts and how its cost grows with the context; batched decode;
 generate() with dynamic and static caches (both models must produce the same tokens; the first call with a static
-cache, in which transformers compiles on CUDA, apart); the operators and kernels of one batched decode step; load and
+cache, in which transformers compiles on CUDA, apart); the operators and kernels of one batched decode step; int4: the
+fork model stored as chatglm2-6b-int4 stores its weights against the same weights dequantized (in that section the
+"native" column is the dequantized fork: bytes held and decode time); load and
 long-prefill memory of fresh processes (RSS); decode against the memory bandwidth: weights + KV bytes read per step
 over the step time, against a STREAM-like copy measured in the same run, against the model's own matrix-vector
 products timed alone (what torch's kernels reach on these weights), and torch.compile'd decode, also replayed as CUDA
@@ -411,6 +413,46 @@ def decode(results, models, args, clock):
                         higher_is_better=True)
 
 
+QUANTIZED_LAYERS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")  # what the original quantizes
+
+
+def int4_pair(model) -> dict:
+    """The fork model with its blocks' linear layers stored as chatglm2-6b-int4 stores them (quantization_chatglm.py,
+    the original's quantize(4) arithmetic), and beside it the same model holding those weights dequantized."""
+    import copy
+
+    modeling = sys.modules[type(model).__module__]
+    QuantizedLinear = modeling.import_companion("quantization_chatglm", model.config).QuantizedLinear
+    quantized, dequantized = copy.deepcopy(model), copy.deepcopy(model)
+    for name, module in model.transformer.encoder.named_modules():
+        if name.rsplit(".", 1)[-1] in QUANTIZED_LAYERS and isinstance(module, torch.nn.Linear):
+            layer = QuantizedLinear.from_float(module, 4)
+            quantized.transformer.encoder.set_submodule(name, layer)
+            with torch.no_grad():
+                dequantized.transformer.encoder.get_submodule(name).weight.copy_(
+                    layer.dequantized_weight(module.weight.dtype))
+    return {"fork": quantized, "native": dequantized}
+
+
+def held_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def int4(results, models, args, clock):
+    """A pre-quantized int4 model (chatglm2-6b-int4's storage) against the same weights dequantized, in the compute
+    dtype: the bytes each holds, and decode speed (the int4 model dequantizes each layer's weight at every step)."""
+    pair = int4_pair(models["fork"])
+    note = "fork: int4 codes + fp16 scales; native column: the same weights dequantized"
+    results.add("int4", "int4 model: parameters + buffers held", "MiB",
+                {name: [held_bytes(model) / MIB] for name, model in pair.items()}, note=note)
+    for context in args.contexts[:1]:
+        times = decode_step_times(pair, args, clock, "dynamic", 1, context)
+        results.add("int4", f"int4 decode bs=1, dynamic cache, context {context}", "ms/step",
+                    {name: [t * 1e3 for t in values] for name, values in times.items()}, note=note)
+    del pair
+    gc.collect()
+
+
 def generate(results, models, args, clock):
     ids = random_ids(1, args.gen_prompt, 6, args.device)
     kwargs = dict(max_new_tokens=args.gen_new, min_new_tokens=args.gen_new, do_sample=False, eos_token_id=None,
@@ -703,9 +745,10 @@ def parse_args(argv=None):
     parser.add_argument("--gen-prompt", type=int, default=32)
     parser.add_argument("--gen-new", type=int, default=64)
     parser.add_argument("--limit-dtypes", help="dtypes of the bandwidth lines (default: float32,bfloat16 on CPU)")
-    parser.add_argument("--sections", default="kv,prefill,decode,generate,profile,memory,bandwidth,compiled",
+    parser.add_argument("--sections", default="kv,prefill,decode,generate,profile,int4,memory,bandwidth,compiled",
                         help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth); profile: "
-                             "operators and kernels of one batched decode step")
+                             "operators and kernels of one batched decode step; int4: a pre-quantized int4 model "
+                             "against the same weights dequantized (bytes held, decode)")
     parser.add_argument("--in-memory", action="store_true",
                         help="build both models in device memory from the same random weights, writing no checkpoint "
                              "(no fresh-process memory lines; the bandwidth lines in --dtype only)")
@@ -760,7 +803,7 @@ def main(argv=None) -> int:
           flush=True)
     results = Results()
     for section, run in (("kv", kv_memory), ("prefill", prefill), ("decode", decode), ("generate", generate),
-                         ("profile", step_profile)):
+                         ("profile", step_profile), ("int4", int4)):
         if section in args.sections:
             print(f"{section}:", flush=True)
             run(results, models, args) if section == "kv" else run(results, models, args, clock)

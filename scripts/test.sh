@@ -19,7 +19,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0 5.24.0)
 OLDEST=4.44.2; NEWEST=5.24.0
 MINIMAL=("$OLDEST" "$NEWEST")
-CORE=(tests/test_loading.py tests/test_parity.py tests/test_generation.py tests/test_cache_use.py tests/test_chat.py
+CORE=(tests/test_loading.py tests/test_parity.py tests/test_quantized.py tests/test_generation.py tests/test_cache_use.py tests/test_chat.py
       tests/test_inputs.py tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py
       tests/test_recipes.py tests/test_overrides.py tests/test_dependencies.py)
 TORCH_ENDS=("2.4.1 $OLDEST" "2.14.1 $NEWEST")

@@ -113,10 +113,11 @@ def test_config_changed_after_construction_is_checked_by_the_model(chatglm):
         chatglm.modeling.ChatGLMForConditionalGeneration(config)
 
 
-def test_unsupported_original_quantization_fails_with_a_way_out(chatglm):
+def test_a_quantization_width_the_original_never_wrote_is_refused_naming_it(chatglm):
+    """The original's quantize() stores 4 or 8 bits (tests/test_quantized.py loads those)."""
     config = chatglm.ChatGLMConfig(num_layers=1, hidden_size=32, ffn_hidden_size=32, kv_channels=8,
-                                   num_attention_heads=4, padded_vocab_size=64, quantization_bit=4)
-    with pytest.raises(ValueError, match="BitsAndBytesConfig"):
+                                   num_attention_heads=4, padded_vocab_size=64, quantization_bit=3)
+    with pytest.raises(ValueError, match="quantization_bit=3.*4 or 8"):
         chatglm.modeling.ChatGLMForConditionalGeneration(config)
 
 

@@ -121,6 +121,39 @@ def test_install_into_a_glm4v_checkpoint_replaces_its_visual_py(tmp_path):
     torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=1e-4)
 
 
+def test_install_into_an_int4_checkpoint_completes_its_auto_map_and_reverts_byte_for_byte(tmp_path):
+    """chatglm2-6b-int4's config.json maps AutoModel only: after the install AutoModelForCausalLM loads it with the
+    original's logits; a second install changes nothing; --revert gives the folder back as downloaded."""
+    folder = tmp_path / "downloaded_int4"
+    shutil.copytree(shared_path("golden", "chatglm2-int4-tiny", "checkpoint"), folder)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+    original_config = json.loads((folder / "config.json").read_text())
+    start = folder_state(folder)
+    result = install_cli(folder)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((folder / "config.json").read_text())
+    ours = json.loads((REPO / "config.json").read_text())["auto_map"]
+    assert config["auto_map"] == {**original_config["auto_map"], **{k: v for k, v in ours.items()
+                                                                     if k not in original_config["auto_map"]}}
+    assert {k: v for k, v in config.items() if k != "auto_map"} == {k: v for k, v in original_config.items()
+                                                                   if k != "auto_map"}
+    from safetensors.torch import load_file
+
+    expected = load_file(str(shared_path("golden", "chatglm2-int4-tiny", "expected.safetensors")))
+    model = load_causal_lm(folder)
+    with torch.no_grad():
+        logits = model(input_ids=expected["input_ids_0"][None]).logits[0]
+    torch.testing.assert_close(logits, expected["logits_0"], atol=1e-4, rtol=1e-4)
+    installed = folder_state_of(folder_state(folder, times=False))
+    again = install_cli(folder)
+    assert again.returncode == 0 and "nothing changed" in again.stdout, again.stdout + again.stderr
+    assert folder_state_of(folder_state(folder, times=False)) == installed
+    result = install_cli("--revert", folder)
+    assert result.returncode == 0, result.stderr
+    assert folder_state(folder) == start
+
+
 def test_hub_cache_snapshot_survives_install_install_revert_and_shares_nothing(tmp_path, checkpoint_bytes):
     """huggingface_hub's layout: snapshot files are relative links into ../../blobs/, shared between revisions."""
     layout = hub_cache(tmp_path, checkpoint_bytes)
@@ -548,7 +581,7 @@ def test_model_benchmark_runs_from_a_clone(tmp_path, models):
     numbers = tmp_path / "numbers.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "model_benchmark.py"), "--quick", "--sections",
-         "kv,generate,profile,bandwidth,compiled", "--limit-dtypes", "float32", "--json", str(numbers)]
+         "kv,generate,profile,int4,bandwidth,compiled", "--limit-dtypes", "float32", "--json", str(numbers)]
         + (["--in-memory"] if models == "in-memory" else []),
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
@@ -565,6 +598,9 @@ def test_model_benchmark_runs_from_a_clone(tmp_path, models):
     assert [row["unit"] for row in generated] == ["ms/token", "s", "ms/token"]  # the static cache's first call apart
     assert [row["metric"] for row in rows if row["section"] == "profile"] == [
         "decode step bs=3, context 16: torch operators"]
+    held, decode = [row for row in rows if row["section"] == "int4"]
+    assert held["unit"] == "MiB" and 1 < held["ratio"] < 8  # the int4 model holds less than its dequantized twin
+    assert decode["unit"] == "ms/step" and decode["ratio"] > 0
     if TRANSFORMERS >= Version("4.46"):
         assert [row["note"] for row in generated if row["unit"] == "ms/token"] == ["same tokens", "same tokens"]
         assert all("ratio" in row for row in rows)

@@ -4,7 +4,8 @@
     python tools/install_into_checkpoint.py /path/to/glm-4-9b-chat --status    # what is installed there
     python tools/install_into_checkpoint.py /path/to/glm-4-9b-chat --revert    # the folder as it was, byte for byte
 
-Installing copies the code files (CODE_FILES) into the folder in one transaction: it all happens or nothing does,
+Installing copies the code files (CODE_FILES) into the folder in one transaction, and adds to config.json the
+`auto_map` entries it lacks (chatglm2-6b-int4 ships AutoModel only): it all happens or nothing does,
 also when the disk fills up or the run is killed (the next run finishes or undoes it). The files it replaces are
 kept as real copies in `chatglm_fork_originals/`, and `chatglm_fork_manifest.json` records what was installed
 (versions, sha256) and what was there before, so `--revert` puts back exactly that. In a Hugging Face cache snapshot
@@ -21,6 +22,7 @@ import os
 import struct
 import sys
 from pathlib import Path
+from typing import Optional
 
 from chatglm_tools import CODE_FILES
 from chatglm_tools.folder_transaction import (
@@ -125,6 +127,20 @@ def refuse_unrecorded_legacy_install(folder: Path) -> None:
 # Install, revert, status
 # ---------------------------------------------------------------------------------------------------------------------
 
+def completed_auto_map(folder: Path, source: Path, rewritten: bool) -> Optional[bytes]:
+    """config.json with the `auto_map` entries of this repository's config.json that the folder's lacks, or None when
+    it lacks none (and no earlier install rewrote it). chatglm2-6b-int4 and codegeex2-6b-int4 ship AutoModel only, so
+    AutoModelForCausalLM refuses them; the original config.json is kept and comes back with --revert."""
+    config = read_json(folder / "config.json", "the checkpoint's config.json may be damaged; download it again")
+    ours = read_json(source / "config.json", "this repository's config.json")["auto_map"]
+    auto_map = config.get("auto_map") if isinstance(config.get("auto_map"), dict) else {}
+    missing = {name: value for name, value in ours.items() if name not in auto_map}
+    if not missing:
+        return (folder / "config.json").read_bytes() if rewritten else None
+    config["auto_map"] = {**auto_map, **missing}
+    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def installed_versions(manifest: dict, tool: str = TOOL) -> str:
     versions = sorted({record["version"] for record in manifest["files"].values() if record["tool"] == tool})
     return ", ".join(versions) or "none"
@@ -142,6 +158,9 @@ def install(folder: Path, source: Path = REPO, names=CODE_FILES, force: bool = F
     refuse_unrecorded_legacy_install(folder)
     manifest = read_manifest(folder)
     writes = {name: (source / name).read_bytes() for name in names if (source / name).is_file()}
+    config = completed_auto_map(folder, source, rewritten=manifest["files"].get("config.json", {}).get("tool") == TOOL)
+    if config is not None:
+        writes["config.json"] = config
     # A companion file that this checkout no longer has: its original goes back.
     dropped = [name for name, record in manifest["files"].items() if record["tool"] == TOOL and name not in writes]
     plan = plan_update(folder, writes, dropped, TOOL, force)

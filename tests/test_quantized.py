@@ -1,0 +1,215 @@
+"""Pre-quantized checkpoints (chatglm2-6b-int4's storage, quantization_bit 4 or 8): loaded as downloaded, they give
+the original int4 code's numbers (shared/golden/chatglm2-int4-tiny), keep their weights quantized in memory, save in
+the original's format, and run generate(), chat(), a device map and LoRA. The 8-bit case, and a second 4-bit truth,
+come from the case's fp16 source quantized here with the original's arithmetic (the golden README's formulas)."""
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from chatglm_tools import copy_code_into, device_check
+from conftest import dtype_kwarg, make_golden_case, optional_package, shared_path
+from safetensors.torch import load_file
+from virtual_devices import virtual_devices
+
+CASE = "chatglm2-int4-tiny"
+QUANTIZED_LAYERS = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+
+
+def load(folder, dtype=torch.float32, **kwargs):
+    """As a user loads the folder as downloaded: its auto_map has AutoModel only (no AutoModelForCausalLM)."""
+    kwargs.update(dtype_kwarg(dtype) if dtype is not None else {})
+    return transformers.AutoModel.from_pretrained(folder, trust_remote_code=True, **kwargs).eval()
+
+
+@pytest.fixture(scope="module")
+def int4(tmp_path_factory):
+    return make_golden_case(CASE, tmp_path_factory.mktemp("int4"))
+
+
+@pytest.fixture(scope="module")
+def int4_model(int4):
+    return load(int4.folder)
+
+
+def inputs(expected):
+    return [expected[f"input_ids_{i}"][None] for i in range(3)]
+
+
+# ---- the original's arithmetic, written from the golden README (independent of quantization_chatglm.py) ----
+
+def quantize_rows(weight: torch.Tensor, bits: int):
+    """(codes, scale): q = round(w / (max|w| of the row / (2^(bits-1) - 1))), computed in fp16 as the original."""
+    levels = 2 ** (bits - 1) - 1
+    weight = weight.half()
+    scale = weight.abs().max(dim=-1).values / levels
+    codes = torch.round(weight / scale[:, None]).clamp(-levels, levels).to(torch.int8)
+    return codes, scale
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """byte k of a row = (q[2k] << 4) | (q[2k+1] & 15), as int8."""
+    high, low = codes[:, 0::2].to(torch.int32), codes[:, 1::2].to(torch.int32)
+    packed = ((high << 4) | (low & 15)) & 0xFF
+    return torch.where(packed > 127, packed - 256, packed).to(torch.int8)
+
+
+def quantized_source(tmp_path, bits: int, source=None):
+    """(quantized folder, float folder holding exactly the dequantized weights) from an fp16 checkpoint (by default
+    the golden case's source)."""
+    source = source or shared_path("golden", CASE, "source-fp16")
+    state = load_file(str(source / "model.safetensors"))
+    quantized, dequantized = dict(state), {k: v.float() for k, v in state.items()}
+    for name in [n for n in state if n.endswith(".weight") and n.rsplit(".", 1)[0].endswith(QUANTIZED_LAYERS)]:
+        codes, scale = quantize_rows(state[name], bits)
+        quantized[name] = pack_int4(codes) if bits == 4 else codes
+        quantized[name.replace(".weight", ".weight_scale")] = scale
+        dequantized[name] = codes.float() * scale.float()[:, None]
+    folders = []
+    for label, tensors, width in (("quantized", quantized, bits), ("float", dequantized, 0)):
+        folder = tmp_path / f"int{bits}_{label}"
+        folder.mkdir()
+        config = json.loads((source / "config.json").read_text())
+        config.update(quantization_bit=width, torch_dtype="float16" if width else "float32")
+        (folder / "config.json").write_text(json.dumps(config))
+        torch.save(tensors, folder / "pytorch_model.bin")
+        folders.append(copy_code_into(folder))
+    return folders
+
+
+# ---- numbers ----
+
+def test_int4_checkpoint_gives_the_original_logits_and_greedy_tokens(int4, int4_model):
+    e = int4.expected
+    layer = int4_model.transformer.encoder.layers[0].self_attention.query_key_value
+    assert layer.weight.dtype == torch.int8 and layer.weight.shape[1] * 2 == layer.in_features
+    for i, ids in enumerate(inputs(e)):
+        with torch.no_grad():
+            logits = int4_model(ids).logits[0]
+        torch.testing.assert_close(logits, e[f"logits_{i}"], atol=1e-4, rtol=1e-4)
+        greedy = e[f"greedy_{i}"]
+        generated = int4_model.generate(ids, max_new_tokens=len(greedy), do_sample=False, eos_token_id=None)
+        assert generated[0, ids.shape[1]:].tolist() == greedy.tolist()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_from_the_fp16_source_equals_its_dequantized_float_model(tmp_path, int4, bits):
+    quantized_folder, float_folder = quantized_source(tmp_path, bits)
+    quantized, reference = load(quantized_folder), load(float_folder)
+    for ids in inputs(int4.expected):
+        with torch.no_grad():
+            torch.testing.assert_close(quantized(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+    if bits == 4:  # the same codes as the original's quantize(4)
+        original = torch.load(int4.folder / "pytorch_model.bin", weights_only=True)
+        mine = torch.load(quantized_folder / "pytorch_model.bin", weights_only=True)
+        name = "transformer.encoder.layers.0.mlp.dense_h_to_4h.weight"
+        assert torch.equal(original[name], mine[name])
+
+
+def test_a_default_load_runs(int4):
+    model = load(int4.folder, dtype=None)
+    ids = inputs(int4.expected)[0]
+    logits = model(ids).logits
+    assert torch.isfinite(logits.float()).all()
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+
+
+# ---- memory and storage ----
+
+def test_weights_stay_quantized_in_memory(int4):
+    stored = sum(t.numel() * t.element_size()
+                 for t in torch.load(int4.folder / "pytorch_model.bin", weights_only=True).values())
+    model = load(int4.folder, dtype=torch.float16)
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert held <= 1.2 * stored, (held, stored)
+
+
+def test_save_pretrained_writes_the_original_format_and_reloads(int4, int4_model, tmp_path):
+    int4_model.save_pretrained(tmp_path / "saved")  # safetensors (the original's loader reads them since 4.27)
+    original = torch.load(int4.folder / "pytorch_model.bin", weights_only=True)
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert sorted(saved) == sorted(original)
+    for name, tensor in original.items():
+        if tensor.dtype == torch.int8 or name.endswith("weight_scale"):  # the quantized layers, bit for bit
+            assert saved[name].dtype == tensor.dtype and torch.equal(saved[name], tensor), name
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["quantization_bit"] == 4
+    reloaded = load(tmp_path / "saved")
+    ids = inputs(int4.expected)[1]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, int4_model(ids).logits)
+
+
+# ---- what users run on it ----
+
+def test_generate_over_a_device_map_equals_one_device(int4, int4_model):
+    ids = inputs(int4.expected)[2]
+    expected = int4_model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    with virtual_devices(2) as devices:
+        num_layers = json.loads((int4.folder / "config.json").read_text())["num_layers"]
+        device_map = device_check.spread_device_map(num_layers, devices)
+        model = load(int4.folder, device_map=device_map)
+        assert {p.device for p in model.transformer.encoder.layers.parameters()} == set(devices)
+        generated = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert generated.cpu().tolist() == expected.tolist()
+
+
+def test_chat_on_a_quantized_chatglm2_model_answers_as_its_float_twin(tmp_path):
+    """ChatGLM2's chat() through the quantized layers: the same answer as the float model with the dequantized weights.
+    The model: a random chatglm2-6b-shaped one with the real vocabulary, quantized here."""
+    from conftest import randomize_
+    from tokenizer_fixtures import make_chatglm2_folder
+
+    source = make_chatglm2_folder(tmp_path / "source", config_changes={"padded_vocab_size": 65024})
+    config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=True)
+    randomize_(transformers.AutoModel.from_config(config, trust_remote_code=True)).half().save_pretrained(source)
+    quantized_folder, float_folder = quantized_source(tmp_path, 4, source)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=True)
+    answers = []
+    for folder in (quantized_folder, float_folder):
+        model = load(folder)
+        torch.manual_seed(0)
+        answers.append(model.chat(tokenizer, "hi", history=[], max_length=40, do_sample=False)[0])
+    assert answers[0] == answers[1]
+
+
+def test_lora_trains_on_top_of_the_quantized_layers(int4):
+    peft = optional_package("peft", "peft")
+    model = load(int4.folder)
+    codes = model.transformer.encoder.layers[0].self_attention.query_key_value.weight.clone()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value"],
+                                                       init_lora_weights=False))
+    model.train()
+    ids = inputs(int4.expected)[0]
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    layer = model.base_model.model.transformer.encoder.layers[0].self_attention.query_key_value
+    assert torch.equal(layer.base_layer.weight, codes)
+
+
+def test_the_quantized_codes_cannot_be_trained(int4_model):
+    with pytest.raises(RuntimeError, match="floating point"):
+        int4_model.transformer.encoder.layers[0].mlp.dense_4h_to_h.weight.requires_grad_(True)
+
+
+def test_quantize_on_a_model_loaded_quantized_is_refused(int4_model):
+    with pytest.raises(ValueError, match="already quantized.*quantization_bit=4"):
+        int4_model.quantize(8)
+
+
+def test_modeling_file_copied_alone_names_the_companion_file(int4, tmp_path):
+    folder = tmp_path / "modeling_only"
+    shutil.copytree(int4.folder, folder)
+    (folder / "quantization_chatglm.py").unlink()
+    with pytest.raises(ImportError, match="quantization_chatglm.py"):
+        load(folder)
