@@ -132,7 +132,8 @@ def completed_auto_map(folder: Path, source: Path, rewritten: bool) -> Optional[
     it lacks none (and no earlier install rewrote it). chatglm2-6b-int4 and codegeex2-6b-int4 ship AutoModel only, so
     AutoModelForCausalLM refuses them; the original config.json is kept and comes back with --revert."""
     config = read_json(folder / "config.json", "the checkpoint's config.json may be damaged; download it again")
-    ours = read_json(source / "config.json", "this repository's config.json")["auto_map"]
+    reference = source / "config.json" if (source / "config.json").is_file() else REPO / "config.json"
+    ours = read_json(reference, "this repository's config.json")["auto_map"]
     auto_map = config.get("auto_map") if isinstance(config.get("auto_map"), dict) else {}
     missing = {name: value for name, value in ours.items() if name not in auto_map}
     if not missing:
