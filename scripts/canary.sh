@@ -3,7 +3,8 @@
 # newest torch, transformers, PEFT, TRL, accelerate and tokenizers on the package registry (that torch is a CUDA build,
 # about 3 GB with its nvidia-* packages; it runs on a CPU) and runs the daily selection of the suite (scripts/test.sh
 # --quick: no multi-device tests) with the users' recipes whole. Prints the versions it used beside the newest row of
-# the pinned matrix (and torch beside the pinned 2.13.0 of the matrix), then what broke.
+# the pinned matrix (torch beside the newest torch end of scripts/test.sh) and beside the registry's newest, then what
+# broke. Exits non-zero on a break, or when something was installed older than the registry's newest (a pip cap).
 # Not part of CI, which stays on the pinned matrix (scripts/test.sh). Run it at the start of every day of work.
 #   scripts/canary.sh                 # about 5 minutes on 2 cores, plus the downloads of new releases
 #   scripts/canary.sh -k cache_use    # extra pytest arguments
@@ -15,19 +16,36 @@ echo "canary: a fresh environment in $CHATGLM_VENV with the newest releases on t
 # shellcheck source=env.sh
 source "$ROOT/scripts/env.sh" newest || { echo "canary: the environment could not be built"; exit 2; }
 set +e
+HELD_BACK=0
 REPORTS="$(mktemp -d)"
 trap 'rm -rf "$REPORTS"' EXIT
 
 PINNED_TRANSFORMERS="$(sed -n 's/^MATRIX=(.* \([0-9.]*\))$/\1/p' "$ROOT/scripts/test.sh")"
+NEWEST_TORCH_END="$(sed -n 's/^torch==//p' "$ROOT/scripts/requirements-newest-torch.txt")"
 companion_pins "$PINNED_TRANSFORMERS"
-echo "canary: versions (newest on the registry / newest row of the pinned matrix)"
-"$PY" - "$PINNED_TRANSFORMERS" "$PEFT_PIN" "$TRL_PIN" "$DEFAULT_TORCH" <<'PY'
-import importlib.metadata as metadata, sys
+echo "canary: versions (installed / newest row of the pinned matrix; torch: the newest torch end of scripts/test.sh)"
+# The registry is asked too: a local pip cap (a constraint in pip's own config) once installed torch 2.14.1 here for
+# a month after 2.15.0 shipped, and the canary reported it as the newest.
+"$PY" - "$PINNED_TRANSFORMERS" "$PEFT_PIN" "$TRL_PIN" "$NEWEST_TORCH_END" <<'PY' || HELD_BACK=1
+import importlib.metadata as metadata, re, subprocess, sys
 pinned = dict(zip(("transformers", "peft", "trl", "torch"), sys.argv[1:]))
+held_back = []
 for name in ("transformers", "peft", "trl", "accelerate", "tokenizers", "huggingface-hub", "safetensors", "torch"):
     have, pin = metadata.version(name).split("+")[0], pinned.get(name)
     note = "" if pin is None else ("  (pinned)" if have == pin else f"  NEWER than the pinned {pin}")
+    index = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name, "--disable-pip-version-check"],
+                           capture_output=True, text=True).stdout
+    newest = re.match(rf"{re.escape(name)} \(([^)]+)\)", index.strip(), re.IGNORECASE)
+    if newest is None:
+        note += "  (the registry did not answer)"
+    elif newest.group(1) != have:
+        note += f"  HELD BACK: the registry has {newest.group(1)}"
+        held_back.append(name)
     print(f"  {name:16} {have}{note}")
+if held_back:
+    print(f"canary: {', '.join(held_back)} not at the registry's newest; a cap in pip's configuration "
+          "(`pip config list`, a `constraint` entry) or a dependency's upper bound kept it out")
+sys.exit(1 if held_back else 0)
 PY
 
 cd "$ROOT"
@@ -53,3 +71,6 @@ for line in broke:
     print(f"  BROKE {line[:220]}")
 sys.exit(1 if broke else 0)
 PY
+tests_rc=$?
+if [ "$HELD_BACK" = 1 ]; then echo "canary: FAILED to test the newest releases (HELD BACK above)"; exit 1; fi
+exit "$tests_rc"

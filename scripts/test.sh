@@ -22,7 +22,8 @@ MINIMAL=("$OLDEST" "$NEWEST")
 CORE=(tests/test_loading.py tests/test_parity.py tests/test_quantized.py tests/test_generation.py tests/test_cache_use.py tests/test_chat.py
       tests/test_inputs.py tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py
       tests/test_recipes.py tests/test_overrides.py tests/test_dependencies.py)
-TORCH_ENDS=("2.4.1 $OLDEST" "2.14.1 $NEWEST")
+NEWEST_TORCH="$(sed -n 's/^torch==//p' "$ROOT/scripts/requirements-newest-torch.txt")"
+TORCH_ENDS=("2.4.1 $OLDEST" "$NEWEST_TORCH $NEWEST")
 TORCH_SENSITIVE=(tests/test_attention.py tests/test_compile.py)  # besides the core suite: the kernels, torch.compile
 if [ $# -gt 0 ] && [ "$1" = "--torch-ends" ]; then
   shift; MATRIX=(); MINIMAL=()
