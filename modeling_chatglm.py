@@ -1682,6 +1682,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         if any(kwargs.get(name) is not None for name in ("tp_plan", "tp_size", "device_mesh", "distributed_config")):
             config = cls._config_for(pretrained_model_name_or_path, kwargs)
             parallel = import_companion("parallel_chatglm", config, checkpoint=str(pretrained_model_name_or_path))
+            parallel.check_shardable(config)  # before torchrun's environment is asked for
             return parallel.from_pretrained_tensor_parallel(
                 super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
             )

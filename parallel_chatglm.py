@@ -96,15 +96,24 @@ def valid_tensor_parallel_sizes(config) -> list:
     return [size for size in range(1, config.num_attention_heads + 1) if _sizes_fit(config, size) is None]
 
 
+def check_shardable(config):
+    """A ValueError for what the plan does not shard, whatever the size: a P-tuning v2 prefix, and pre-quantized
+    weights (their per-row scales and packed int4 columns would need layouts of their own)."""
+    refused = None
+    if getattr(config, "pre_seq_len", None):
+        refused = f"config.pre_seq_len={config.pre_seq_len}: tensor parallelism does not shard a P-tuning v2 prefix"
+    elif getattr(config, "quantization_bit", 0):
+        refused = (f"config.quantization_bit={config.quantization_bit}: tensor parallelism does not shard the "
+                   "pre-quantized weights of a checkpoint such as chatglm2-6b-int4")
+    if refused:
+        raise ValueError(f"{refused}. Load the model without tp_plan (device_map='auto' splits it over several GPUs).")
+
+
 def check_tensor_parallel_size(config, tp_size) -> ShardSizes:
     """The per-rank sizes for `tp_size`, or a ValueError naming the sizes and the TP sizes that work."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"The tensor parallel size must be a positive integer, got {tp_size!r}.")
-    if getattr(config, "pre_seq_len", None):
-        raise ValueError(
-            f"config.pre_seq_len={config.pre_seq_len}: tensor parallelism does not shard a P-tuning v2 prefix. Load "
-            "the model without tp_plan (device_map='auto' splits it over several GPUs)."
-        )
+    check_shardable(config)
     problem = _sizes_fit(config, tp_size)
     if problem:
         raise ValueError(

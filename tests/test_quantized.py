@@ -207,6 +207,13 @@ def test_quantize_on_a_model_loaded_quantized_is_refused(int4_model):
         int4_model.quantize(8)
 
 
+@pytest.mark.parametrize("request_kwargs", [{"tp_plan": "auto"}, {"tp_size": 2}])
+def test_tensor_parallelism_refuses_a_quantized_checkpoint(int4, request_kwargs):
+    # As a user asks for it, here without torchrun: the refusal must come before torchrun's environment is asked for.
+    with pytest.raises(ValueError, match="quantization_bit=4: tensor parallelism does not shard.*device_map='auto'"):
+        load(int4.folder, **request_kwargs)
+
+
 def test_modeling_file_copied_alone_names_the_companion_file(int4, tmp_path):
     folder = tmp_path / "modeling_only"
     shutil.copytree(int4.folder, folder)
