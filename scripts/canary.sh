@@ -28,11 +28,13 @@ echo "canary: versions (installed / newest row of the pinned matrix; torch: the 
 # a month after 2.15.0 shipped, and the canary reported it as the newest.
 "$PY" - "$PINNED_TRANSFORMERS" "$PEFT_PIN" "$TRL_PIN" "$NEWEST_TORCH_END" <<'PY' || HELD_BACK=1
 import importlib.metadata as metadata, re, subprocess, sys
+from packaging.version import Version
 pinned = dict(zip(("transformers", "peft", "trl", "torch"), sys.argv[1:]))
 held_back = []
 for name in ("transformers", "peft", "trl", "accelerate", "tokenizers", "huggingface-hub", "safetensors", "torch"):
     have, pin = metadata.version(name).split("+")[0], pinned.get(name)
-    note = "" if pin is None else ("  (pinned)" if have == pin else f"  NEWER than the pinned {pin}")
+    note = "" if pin is None else ("  (pinned)" if have == pin else
+                                   f"  {'NEWER' if Version(have) > Version(pin) else 'OLDER'} than the pinned {pin}")
     index = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name, "--disable-pip-version-check"],
                            capture_output=True, text=True).stdout
     newest = re.match(rf"{re.escape(name)} \(([^)]+)\)", index.strip(), re.IGNORECASE)
