@@ -1284,11 +1284,9 @@ def _family_named(name) -> Optional[str]:
     return next((family for family in CHATGLM_FAMILIES if isinstance(name, str) and family in name.lower()), None)
 
 
-def _family_evidence(folder: str) -> List[Tuple[str, str]]:
+def _family_evidence(tokenizer_config: dict, config: dict) -> List[Tuple[str, str]]:
     """(where, family) of every file beside tokenizer.model that says which checkpoint this is, strongest first:
     the names in tokenizer_config.json and config.json, the variant our model wrote, the model's own fields."""
-    tokenizer_config = _json_field(os.path.join(folder, "tokenizer_config.json")) or {}
-    config = _json_field(os.path.join(folder, "config.json")) or {}
     found = []
     for file_name, data, key in (("tokenizer_config.json", tokenizer_config, "name_or_path"),
                                  ("config.json", config, "chatglm_variant"), ("config.json", config, "_name_or_path")):
@@ -1324,15 +1322,16 @@ def chatglm_family_of(vocab_file: str, requested: Optional[str] = None, warn: bo
     if not isinstance(vocab_file, (str, os.PathLike)):
         return "chatglm3", None  # no file: the tokenizer's own check names what is missing
     folder = os.path.dirname(os.path.abspath(vocab_file))
-    evidence = [(where, family) for where, family in _family_evidence(folder) if family in CHATGLM_FAMILIES]
+    tokenizer_config = _json_field(os.path.join(folder, "tokenizer_config.json")) or {}
+    config = _json_field(os.path.join(folder, "config.json")) or {}
+    evidence = [(where, family) for where, family in _family_evidence(tokenizer_config, config)
+                if family in CHATGLM_FAMILIES]
     if not evidence:  # a name of no known checkpoint still says the files were named (no warning about names)
-        names = [_json_field(os.path.join(folder, name), key) for name, key in (
-            ("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path"))]
+        names = [tokenizer_config.get("name_or_path"), config.get("_name_or_path")]
         return "chatglm3", next((f"a name {name!r}" for name in names if isinstance(name, str) and name), None)
     family, reason = evidence[0][1], evidence[0][0]
     against = [where for where, other in evidence if other != family]
-    if family == "chatglm2" and (_json_field(os.path.join(folder, "tokenizer_config.json")) or {}).get(
-            "chat_template"):
+    if family == "chatglm2" and tokenizer_config.get("chat_template"):
         against.append("tokenizer_config.json has a chat template (ChatGLM2's has none)")
     if warn and against:
         logger.warning(
