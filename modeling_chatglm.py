@@ -1887,7 +1887,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         """The original's attention mask [batch, 1, seq, past + seq], True where a query must not look: causal,
         every cached slot visible, and a 2-D `padding_mask` (1 = token) applied to the keys (and, for a prompt,
         its padded queries see everything, as in the original)."""
-        batch_size, seq_length = input_ids.shape
+        batch_size, seq_length = input_ids.shape[:2]  # GLM-4V's original passes the embeddings here
         mask = torch.ones(batch_size, seq_length, seq_length, device=input_ids.device).tril_()
         past_length = cached_length_of(past_key_values)
         if past_length:
@@ -1902,6 +1902,8 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         """Positions 0 .. seq - 1 for every row (the original's; this model's forward counts left padding out)."""
         batch_size, seq_length = input_ids.shape
         return torch.arange(seq_length, dtype=torch.long, device=device).unsqueeze(0).repeat(batch_size, 1)
+
+    get_multimodal_position_ids = get_position_ids  # GLM-4V's original name for the same positions
 
     def _init_weights(self, module):
         """Random weights for models built from a config (the original left them uninitialised)."""
@@ -2785,9 +2787,9 @@ class ChatMixin:
 
     def chat_in_rounds(self, tokenizer, query: str, history: Optional[list] = None, max_length: int = 8192,
                        num_beams=1, do_sample=True, top_p=0.8, temperature=0.8, logits_processor=None, **kwargs):
-        """chat() with ChatGLM2's parameters (no `role`)."""
-        return self.chat_with_roles(tokenizer, query, history, "user", max_length, num_beams, do_sample, top_p,
-                                    temperature, logits_processor, **kwargs)
+        """chat() with ChatGLM2's parameters (no `role`; one passed by name is refused by the chat format)."""
+        return self.chat_with_roles(tokenizer, query, history, kwargs.pop("role", "user"), max_length, num_beams,
+                                    do_sample, top_p, temperature, logits_processor, **kwargs)
 
     @torch.inference_mode()
     def stream_chat_with_roles(self, tokenizer, query: str, history: Optional[list] = None, role: str = "user",
@@ -2829,9 +2831,10 @@ class ChatMixin:
     def stream_chat_in_rounds(self, tokenizer, query: str, history: Optional[list] = None, past_key_values=None,
                               max_length: int = 8192, do_sample=True, top_p=0.8, temperature=0.8,
                               logits_processor=None, return_past_key_values=False, **kwargs):
-        """stream_chat() with ChatGLM2's parameters (no `role`)."""
-        return self.stream_chat_with_roles(tokenizer, query, history, "user", past_key_values, max_length, do_sample,
-                                           top_p, temperature, logits_processor, return_past_key_values, **kwargs)
+        """stream_chat() with ChatGLM2's parameters (no `role`; one passed by name is refused by the chat format)."""
+        return self.stream_chat_with_roles(tokenizer, query, history, kwargs.pop("role", "user"), past_key_values,
+                                           max_length, do_sample, top_p, temperature, logits_processor,
+                                           return_past_key_values, **kwargs)
 
     # Each with the parameters of the checkpoint's own original: ChatGLM2's (no `role`) for a ChatGLM2 checkpoint.
     chat = ChatForm(chat_with_roles, chat_in_rounds)

@@ -175,3 +175,213 @@ def test_known_differences_are_real_and_documented(surface_objects):
         surface, objects = surface_objects[family]
         assert mismatch(reach(objects, path), name, surface["objects"][path]["names"][name]), (family, path, name)
         assert f"`{path}.{name}`" in section, f"README's Drop-in surface section does not list {path}.{name}"
+
+
+# ---- What the clients do ---------------------------------------------------------------------------------------
+
+
+def test_chatglm3_finetune_sanity_check_maps_every_prompt_id(chatglm3_tokenizer):
+    """ChatGLM3 finetune_demo/finetune_hf.py builds a conversation's ids from get_prefix_tokens() and
+    build_single_message(), then, before training, prints each id as text: control ids through
+    `tokenizer.tokenizer.index_special_tokens[id]`, the others through decode([id])."""
+    tokenizer = chatglm3_tokenizer
+    conversation = [{"role": "system", "content": "You are ChatGLM3."}, {"role": "user", "content": "你好"},
+                    {"role": "assistant", "content": "你好👋！有什么可以帮你？"}]
+    input_ids = tokenizer.get_prefix_tokens()
+    for message in conversation:
+        input_ids += tokenizer.build_single_message(message["role"], "", message["content"])
+    input_ids.append(tokenizer.eos_token_id)
+
+    recorded = load_surface("chatglm3")["objects"]["tokenizer.tokenizer"]["names"]["index_special_tokens"]["value"]
+    shown = []
+    for in_id in input_ids:  # the script's loop
+        if in_id == 0:
+            continue
+        if in_id in tokenizer.tokenizer.index_special_tokens:
+            in_text = tokenizer.tokenizer.index_special_tokens[in_id]
+        else:
+            in_text = tokenizer.decode([in_id])
+        shown.append((in_id, in_text))
+    controls = [(i, text) for i, text in shown if str(i) in recorded]
+    assert controls == [(i, recorded[str(i)]) for i, _ in controls]
+    assert [text for _, text in controls] == ["[gMASK]", "sop", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+class ForcedAnswer(torch.nn.Module):
+    """A logits processor that makes the model answer `ids`, one per step after the prompt."""
+
+    def __init__(self, ids, prompt_length):
+        super().__init__()
+        self.ids, self.prompt_length = ids, prompt_length
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.prompt_length
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.ids[step] if step < len(self.ids) else 2] = 0.0
+        return forced
+
+
+@pytest.mark.parametrize("answer", ["你好👋！我是人工智能助手 ChatGLM3-6B，很高兴见到你。", "OK"])
+def test_chatglm3_cli_demo_streaming_loop_prints_the_answer(tiny_model, chatglm3_tokenizer, answer):
+    """ChatGLM3 basic_demo/cli_demo.py prints `response[current_length:]` from every stream_chat step: each
+    partial answer without a newline is text, as the original's process_response reads it."""
+    tokenizer = chatglm3_tokenizer
+    model = tiny_model("chatglm3", padded_vocab_size=65024, hidden_size=32, num_attention_heads=2, kv_channels=16,
+                       ffn_hidden_size=48, num_layers=2)
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    prompt_length = tokenizer.build_chat_input("你好", history=[])["input_ids"].shape[1]
+    printed, current_length, past_key_values, history = "", 0, None, []
+    for response, history, past_key_values in model.stream_chat(
+            tokenizer, "你好", history=history, top_p=1, temperature=0.01, past_key_values=past_key_values,
+            return_past_key_values=True, logits_processor=[ForcedAnswer(ids, prompt_length)]):
+        printed += response[current_length:]
+        current_length = len(response)
+    assert printed == answer
+    assert history[-1] == {"role": "assistant", "metadata": "", "content": answer}
+
+
+def original_process_response(output: str, history: list):
+    """ChatGLM3's process_response as the original computes it (reference for the test below; its tool call is
+    read here with ast instead of eval)."""
+    content, history = "", [dict(message) for message in history]
+    for response in output.split("<|assistant|>"):
+        metadata, content = response.split("\n", maxsplit=1) if "\n" in response else ("", response)
+        if not metadata.strip():
+            content = content.strip()
+            history.append({"role": "assistant", "metadata": metadata, "content": content})
+            content = content.replace("[[训练时间]]", "2023年")
+        else:
+            history.append({"role": "assistant", "metadata": metadata, "content": content})
+            if history[0]["role"] == "system" and "tools" in history[0]:
+                call = ast.parse("\n".join(content.split("\n")[1:-1]).strip(), mode="eval").body
+                content = {"name": metadata.strip(),
+                           "parameters": {k.arg: ast.literal_eval(k.value) for k in call.keywords}}
+            else:
+                content = {"name": metadata.strip(), "content": content}
+    return content, history
+
+
+TOOLS = [{"role": "system", "content": "Answer with tools.", "tools": [{"name": "get_weather"}]}]
+
+
+@pytest.mark.parametrize("output, history", [
+    ("你好", []),
+    (" 你好，我是 [[训练时间]] ", []),
+    ("\n你好", []),
+    ("第一行\n第二行", []),
+    ("get_weather\n```python\ntool_call(city='北京')\n```", TOOLS),
+    ("get_weather\n```python\ntool_call(city='北京')\n```", []),
+    ("想一想<|assistant|>get_weather\n```python\ntool_call(days=3)\n```", TOOLS),
+    ("没有换行的回答", TOOLS),
+])
+def test_process_response_reads_answers_as_the_original(surface_objects, output, history):
+    model = surface_objects["chatglm3"][1]["model"]
+    assert model.process_response(output, history) == original_process_response(output, history)
+
+
+def test_chatglm2_process_response_takes_its_parameter_name(surface_objects):
+    model = surface_objects["chatglm2"][1]["model"]
+    assert model.process_response(response=" [[训练时间]] 的回答\n") == "2023年 的回答"
+
+
+def test_glm4_build_single_message_as_text_encodes_to_its_ids(glm4_tokenizer):
+    """GLM-4's finetune and API demos build prompts as text with build_single_message(..., tokenize=False)."""
+    tokenizer = glm4_tokenizer
+    for role, metadata, message in [("system", "", "You are GLM-4."), ("user", "", "你好\n世界"),
+                                    ("assistant", "get_weather", '{"city": "北京"}')]:
+        text = tokenizer.build_single_message(role, metadata, message, tokenize=False)
+        assert text == f"<|{role}|>{metadata}\n{message}"
+        assert tokenizer.encode(text, add_special_tokens=False) == \
+            tokenizer.build_single_message(role, metadata, message)
+
+
+# ---- core_attention: hooks and patches see every attention computation -----------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_forward_hook_on_core_attention_sees_every_layer(tiny_model, implementation):
+    model = tiny_model("glm4", attn_implementation=implementation)
+    seen = []
+    hooks = [layer.self_attention.core_attention.register_forward_hook(
+        lambda module, args, output: seen.append((module.layer_number, tuple(args[0].shape), output[0].shape)))
+        for layer in model.transformer.encoder.layers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[5, 6, 7, 8]]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    heads, dim = model.config.num_attention_heads, model.config.kv_channels
+    assert seen == [(number, (1, heads, 4, dim), (1, 4, heads, dim))
+                    for number in range(1, model.config.num_layers + 1)]
+
+
+def test_a_patched_core_attention_forward_changes_the_output(tiny_model):
+    """The kernel call goes through core_attention: a patch of its forward is what the model computes."""
+    model = tiny_model("chatglm3")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        before = model(ids).logits
+        core = model.transformer.encoder.layers[1].self_attention.core_attention
+        original_forward = core.forward
+        core.forward = lambda *args, **kwargs: (torch.zeros_like(original_forward(*args, **kwargs)[0]), None)
+        try:
+            patched = model(ids).logits
+        finally:
+            del core.forward
+        assert torch.equal(model(ids).logits, before)
+    assert not torch.allclose(patched, before)
+
+
+def test_core_attention_holds_no_weights(surface_objects):
+    model = surface_objects["glm4"][1]["model"]
+    for layer in model.transformer.encoder.layers:
+        assert not list(layer.self_attention.core_attention.state_dict())
+
+
+# ---- GLM-4V (glm-4v-9b): its original objects' names ----------------------------------------------------------
+# From glm-4v-9b's original visual.py and modeling_chatglm.py: every name its objects define, by kind.
+GLM4V_NAMES = {
+    "model": {"attribute": ["max_sequence_length"], "method": ["get_masks", "get_position_ids",
+                                                               "get_multimodal_position_ids"]},
+    "model.transformer": {"module": ["embedding", "rotary_pos_emb", "encoder", "output_layer", "vision"],
+                          "attribute": ["num_layers", "multi_query_group_num", "kv_channels", "seq_length",
+                                        "pre_seq_len", "prefix_projection"],
+                          "method": ["get_prompt"]},
+    "model.transformer.vision": {"module": ["patch_embedding", "transformer", "linear_proj", "conv"],
+                                 "attribute": ["boi", "eoi", "scaling_factor"]},
+    "model.transformer.vision.patch_embedding": {"module": ["proj", "position_embedding"],
+                                                 "attribute": ["cls_embedding"]},
+    "model.transformer.vision.transformer": {"module": ["layers"]},
+    "model.transformer.vision.transformer.layers[0]": {
+        "module": ["input_layernorm", "attention", "mlp", "post_attention_layernorm"]},
+    "model.transformer.vision.transformer.layers[0].attention": {
+        "module": ["query_key_value", "dense", "output_dropout"], "attribute": ["num_heads", "scale"],
+        "method": ["attention"]},
+    "model.transformer.vision.transformer.layers[0].mlp": {"module": ["fc1", "fc2"],
+                                                           "attribute": ["config", "activation_fn"]},
+    "model.transformer.vision.linear_proj": {
+        "module": ["linear_proj", "norm1", "act1", "dense_h_to_4h", "gate_proj", "dense_4h_to_h"],
+        "attribute": ["act2"]},
+}
+
+
+def test_glm4v_original_names_exist(tiny_glm4v):
+    model = tiny_glm4v()
+    problems = []
+    for path, kinds in GLM4V_NAMES.items():
+        obj = reach({"model": model}, path)
+        for kind, names in kinds.items():
+            for name in names:
+                if kind == "module":
+                    ok = isinstance(obj._modules.get(name), nn.Module)
+                elif kind == "method":
+                    ok = callable(getattr(obj, name, None)) and not isinstance(getattr(obj, name), nn.Module)
+                else:
+                    ok = hasattr(obj, name)
+                if not ok:
+                    problems.append(f"{path}.{name} ({kind})")
+    assert not problems
+    attention = model.transformer.vision.transformer.layers[0].attention
+    q, k, v = torch.randn(3, 1, attention.num_heads, 5, 8).unbind(0)
+    torch.testing.assert_close(attention.attention(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
