@@ -38,6 +38,8 @@ Where to change what (section: names):
   loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
   tensor parallelism            parallel_chatglm.py
   pre-quantized weights (int4)  Config, sizes and checks: `linear_layer` (the one choice); quantization_chatglm.py
+  a name the original objects   the class that has it (`CoreAttention` holds the attention's); ChatGLM2-only
+  had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads shared/surface
 """
 
 import ast

@@ -1224,13 +1224,13 @@ class SPTokenizer:
         return tokens
 
     def decode(self, t: List[int]) -> str:
-        """The text of ids, control tokens written as their text (the original's; the tokenizer's decode() has the
-        skip_special_tokens choice)."""
+        """The text of ids, ChatGLM3's control tokens written as their text (the original's; ChatGLM2's have none;
+        the tokenizer's decode() has the skip_special_tokens choice)."""
         text, run = "", []
         for index in list(t) + [None]:
             if index is None or index in self.index_special_tokens:
                 text += self.sp_model.decode(run) if run else ""
-                text += self.index_special_tokens.get(index, "")
+                text += self.index_special_tokens.get(index, "") if self._control_tokens_have_text else ""
                 run = []
             else:
                 run.append(index)
