@@ -1978,6 +1978,9 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
     def get_input_embeddings(self):
         return self.embedding.word_embeddings
 
+    def set_input_embeddings(self, value):
+        self.embedding.word_embeddings = value
+
     def get_prompt(self, batch_size, device, dtype=torch.float16):
         """The P-tuning v2 prefix as past_key_values: per layer [2, batch, kv_heads, pre_seq_len, head_dim] (key,
         value), the layout of GLM-4's original and of transformers' legacy caches (ChatGLM2/3's original put the
@@ -1988,9 +1991,6 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
     def quantize(self, weight_bit_width: int):
         """The original's base-model call: quantizes the blocks' linear layers (see ChatMixin.quantize)."""
         return quantize_blocks(self, weight_bit_width)
-
-    def set_input_embeddings(self, value):
-        self.embedding.word_embeddings = value
 
     def forward(
         self,

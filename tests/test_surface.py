@@ -385,3 +385,85 @@ def test_glm4v_original_names_exist(tiny_glm4v):
     attention = model.transformer.vision.transformer.layers[0].attention
     q, k, v = torch.randn(3, 1, attention.num_heads, 5, 8).unbind(0)
     torch.testing.assert_close(attention.attention(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+# ---- The original's methods return what the original returns ---------------------------------------------------
+
+
+def test_get_prompt_is_the_originals_prefix_in_glm4_layout(ptuning):
+    """glm-4's original get_prompt: the prefix encoder's output viewed [batch, pre_seq_len, 2 * layers, kv_heads,
+    head_dim], permuted to [2 * layers, batch, kv_heads, pre_seq_len, head_dim] and split per layer."""
+    model = ptuning.load()
+    config, slots = model.config, ptuning.cases["prefix"]["pre_seq_len"]
+    encoded = ptuning.expected["prefix_encoder_output"]  # the original's prefix_encoder(arange(pre_seq_len))
+    expected = encoded[None].expand(2, -1, -1).reshape(
+        2, slots, 2 * config.num_layers, config.multi_query_group_num, config.kv_channels).permute(2, 0, 3, 1, 4)
+    with torch.no_grad():
+        prompt = model.transformer.get_prompt(2, torch.device("cpu"), dtype=torch.float32)
+    assert len(prompt) == config.num_layers
+    for layer, pair in enumerate(prompt):
+        torch.testing.assert_close(pair, expected[2 * layer: 2 * layer + 2], atol=1e-6, rtol=1e-6)
+
+
+def test_get_prompt_without_a_prefix_says_what_to_do(surface_objects):
+    with pytest.raises(ValueError, match="pre_seq_len"):
+        surface_objects["glm4"][1]["model"].transformer.get_prompt(1, torch.device("cpu"))
+
+
+def test_get_masks_and_get_position_ids_are_the_originals(surface_objects):
+    model = surface_objects["chatglm3"][1]["model"]
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    causal = torch.ones(3, 3).tril().bool()
+    assert torch.equal(model.get_masks(ids, None), ~causal.expand(2, 1, 3, 3))
+    padding = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    masked = model.get_masks(ids, None, padding_mask=padding)
+    # the original: keys at padding are masked, and a padded query row sees every key
+    assert torch.equal(masked[0, 0], torch.tensor([[False, False, False], [True, False, True], [True, False, False]]))
+    assert torch.equal(masked[1, 0], ~causal)
+    past = [(torch.zeros(2, 2, 4, 16), torch.zeros(2, 2, 4, 16))] * 3
+    with_past = model.get_masks(ids, past)
+    assert with_past.shape == (2, 1, 3, 7) and not with_past[..., :4].any() and torch.equal(with_past[0, 0, :, 4:],
+                                                                                          ~causal)
+    assert model.get_position_ids(ids, ids.device).tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("family", ["glm4", "chatglm2"])
+def test_forward_impl_is_the_table_the_model_rotates_with(surface_objects, family):
+    """forward_impl(seq_len, n_elem, ...) -> [seq_len, n_elem / 2, (cos, sin)]: the angles forward() uses (rope_ratio
+    included), for positions 0 .. seq_len - 1."""
+    rotary = surface_objects[family][1]["model"].transformer.rotary_pos_emb
+    table = rotary.forward_impl(6, rotary.dim, torch.float32, torch.device("cpu"))
+    cos, sin = rotary(torch.arange(6)[None], torch.float32)
+    assert table.shape == (6, rotary.dim // 2, 2)
+    torch.testing.assert_close(table[..., 0], cos[0, 0, :, ::2])
+    torch.testing.assert_close(table[..., 1], sin[0, 0, :, ::2])
+    assert rotary.forward_impl(6, rotary.dim, torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16
+
+
+def test_sentencepiece_wrapper_methods_are_the_originals(chatglm3_tokenizer, chatglm3_records):
+    sp, tokenizer = chatglm3_tokenizer.tokenizer, chatglm3_tokenizer
+    for record in [r for r in chatglm3_records if r["kind"] == "encode"][:60]:
+        text, ids = record["text"], record["sp_encode_ids"]  # the original SPTokenizer.encode's ids
+        assert sp.encode(text) == ids
+        pieces = sp.tokenize(text)
+        assert [sp.convert_token_to_id(piece) for piece in pieces] == ids
+        assert [sp.convert_id_to_token(index) for index in ids] == pieces
+        assert sp.decode_tokens(pieces) == sp.decode(ids)
+    # Control tokens: their text both ways; with encode_special_tokens every one of them is kept whole.
+    assert sp.decode([sp.special_tokens["<|user|>"]] + sp.encode("你好")) == "<|user|>你好"
+    assert sp.convert_id_to_token(sp.special_tokens["eop"]) == "eop" and sp.convert_id_to_token(sp.eos_id) == ""
+    assert sp.tokenize("[MASK]hi<|user|>", encode_special_tokens=True)[0] == "[MASK]"
+    assert "<|user|>" in sp.tokenize("[MASK]hi<|user|>", encode_special_tokens=True)
+    assert tokenizer.decode(sp.encode("你好")) == sp.decode(sp.encode("你好"))
+
+
+def test_encode_special_tokens_parses_every_control_token(tokenizer_folder_factory):
+    from tokenizer_fixtures import load_tokenizer
+
+    folder = tokenizer_folder_factory("chatglm3", "chatglm3-encode-special")
+    plain, parsing = load_tokenizer(folder), load_tokenizer(folder, encode_special_tokens=True)
+    assert plain.encode_special_tokens is False and parsing.encode_special_tokens is True
+    mask, eop = parsing.get_command("[MASK]"), parsing.get_command("eop")
+    assert mask not in plain.encode("a [MASK] b eop", add_special_tokens=False)
+    ids = parsing.encode("a [MASK] b eop", add_special_tokens=False)
+    assert mask in ids and ids[-1] == eop
