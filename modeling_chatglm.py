@@ -1986,7 +1986,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         value), the layout of GLM-4's original and of transformers' legacy caches (ChatGLM2/3's original put the
         prefix length first). This model's forward adds the prefix itself: pass none."""
         key_values = require_prefix(self).key_values(batch_size, dtype)
-        return tuple(torch.stack(pair).to(device) for pair in key_values)
+        return tuple(device_boundary(torch.stack(pair), torch.device(device)) for pair in key_values)
 
     def quantize(self, weight_bit_width: int):
         """The original's base-model call: quantizes the blocks' linear layers (see ChatMixin.quantize)."""
