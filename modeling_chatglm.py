@@ -38,6 +38,8 @@ Where to change what (section: names):
   loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
   tensor parallelism            parallel_chatglm.py
   pre-quantized weights (int4)  Config, sizes and checks: `linear_layer` (the one choice); quantization_chatglm.py
+  a name the original objects   the class that has it (`CoreAttention` holds the attention's); ChatGLM2-only
+  had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads shared/surface
 """
 
 import ast
@@ -1049,6 +1051,15 @@ def as_cache(past_key_values) -> Optional[Cache]:
     return DynamicCache.from_legacy_cache(past_key_values)
 
 
+def cached_length_of(past_key_values) -> int:
+    """Tokens a cache holds: a Cache, a legacy tuple of (key, value) [batch, kv_heads, seq, dim] per layer, or None."""
+    if not past_key_values:
+        return 0
+    if isinstance(past_key_values, Cache):
+        return past_key_values.get_seq_length()
+    return past_key_values[0][0].shape[-2]
+
+
 def cache_for_forward(past_key_values, config: ChatGLMConfig, use_cache: bool) -> Tuple[Optional[Cache], bool]:
     """The cache a forward reads and writes, and whether the caller gave legacy tuples (it gets tuples back). A cache
     given with use_cache=False is still read, as the original and transformers' models do; only a cache this call
@@ -1234,6 +1245,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_channels = config.kv_channels // 2
         rope_ratio = getattr(config, "rope_ratio", 1)  # chatglm3-6b's original config has no rope_ratio
+        self.rope_ratio = rope_ratio
         divides_positions = rotary_reading(config) == "positions"
         self.base = 10000.0 * (1 if divides_positions else rope_ratio)
         self.position_divisor = float(rope_ratio) if divides_positions else 1.0
@@ -1264,6 +1276,21 @@ class RotaryEmbedding(nn.Module):
         cos = angles.cos().repeat_interleave(2, dim=-1)[:, None]
         sin = angles.sin().repeat_interleave(2, dim=-1)[:, None]
         return cos.to(dtype), sin.to(dtype)
+
+    # The original's names: `dim` (rotated channels per head), `original_impl`, and its table of positions 0 ..
+    # seq_len - 1 as `forward_impl` computes it ([seq_len, n_elem / 2, (cos, sin)], half precision kept).
+    dim = property(lambda self: self.rotary_channels)
+    original_impl = True
+
+    def forward_impl(self, seq_len: int, n_elem: int, dtype: torch.dtype, device: torch.device, base: int = 10000):
+        steps = torch.arange(0, n_elem, 2, dtype=torch.float, device=device)
+        theta = 1.0 / ((base * self.base / 10000.0) ** (steps / n_elem))
+        positions = torch.arange(seq_len, dtype=torch.float, device=device) / self.position_divisor
+        angles = torch.outer(positions, theta).float()
+        cache = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+        if dtype in (torch.float16, torch.bfloat16, torch.int8):  # an int8 model's table is fp16, as in the original
+            cache = cache.bfloat16() if dtype == torch.bfloat16 else cache.half()
+        return cache
 
 
 def own_loaded_inv_freq(module, state_dict, prefix, *args):
@@ -1492,14 +1519,64 @@ class LayerInputs:
         return self._copies[device]
 
 
+class CoreAttention(nn.Module):
+    """The attention kernel's call of one layer, a submodule as in the original (`self_attention.core_attention`):
+    a forward hook or a patched `forward` on it sees every attention computation. It holds no weights. Takes and
+    returns transformers' layout: query [batch, heads, seq, dim], key and value [batch, kv_heads, keys, dim] ->
+    (output [batch, seq, heads, dim], weights or None). Kernels get it as their `module`: it has what they read
+    (`config`, `layer_idx`, `is_causal`, `num_key_value_groups`, `scaling`, `training`) and the original's names.
+    Its class is named after the attention implementation the model was built with, as GLM-4's original names it
+    (SdpaAttention, FlashAttention2 are subclasses; eager is CoreAttention)."""
+
+    def __init__(self, config: ChatGLMConfig, layer_number: int):
+        super().__init__()
+        self.config = config
+        self.layer_number = max(1, layer_number)
+        self.layer_idx = layer_number - 1
+        self.sizes = AttentionSizes.from_config(config)  # per rank under tensor parallelism (SelfAttention.sizes)
+        self.is_causal = True
+        self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
+        # The layer scaling forces the fp32 softmax (eager_attention_forward), as in the original.
+        self.attention_softmax_in_fp32 = config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
+        self.coeff = self.layer_number if self.apply_query_key_layer_scaling else None
+        self.norm_factor = self.sizes.head_dim ** 0.5 * (self.coeff or 1)
+        self.scaling = self.sizes.head_dim ** -0.5
+        self.attention_dropout = nn.Dropout(config.attention_dropout)
+
+    num_key_value_groups = property(lambda self: self.sizes.groups)  # read by transformers' attention functions
+    num_attention_heads_per_partition = property(lambda self: self.sizes.num_heads)
+    hidden_size_per_attention_head = property(lambda self: self.sizes.head_dim)
+    hidden_size_per_partition = property(lambda self: self.sizes.num_heads * self.sizes.head_dim)
+
+    def forward(self, query, key, value, attention_mask, implementation: Optional[str] = None, **kernel_kwargs):
+        attend = attention_function(implementation)
+        dropout = self.attention_dropout.p if self.training else 0.0
+        return attend(self, query, key, value, attention_mask,
+                      **{**kernel_kwargs, "dropout": dropout, "scaling": self.scaling})
+
+
+class SdpaAttention(CoreAttention):
+    """core_attention of a model built with attn_implementation="sdpa" (GLM-4's original class name)."""
+
+
+class FlashAttention2(CoreAttention):
+    """core_attention of a model built with a flash attention implementation (GLM-4's original class name)."""
+
+
+def core_attention_class(config) -> type:
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation == "sdpa":
+        return SdpaAttention
+    return FlashAttention2 if implementation.startswith("flash") else CoreAttention
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
         self.config = config
         self.layer_number = max(1, layer_number)
         self.layer_idx = layer_number - 1
-        self.sizes = AttentionSizes.from_config(config)
-        self.scaling = self.sizes.head_dim ** -0.5
+        self.core_attention = core_attention_class(config)(config, layer_number)
         self.is_causal = True
         linear = linear_layer(config)
         self.query_key_value = linear(
@@ -1508,8 +1585,23 @@ class SelfAttention(nn.Module):
         self.dense = linear(self.sizes.num_heads * self.sizes.head_dim, config.hidden_size, bias=config.add_bias_linear)
 
     @property
-    def num_key_value_groups(self) -> int:  # read by transformers' attention functions
-        return self.sizes.groups
+    def sizes(self) -> AttentionSizes:
+        """This layer's head counts (a rank's under tensor parallelism), kept by core_attention, which reads them."""
+        return self.core_attention.sizes
+
+    @sizes.setter
+    def sizes(self, sizes: AttentionSizes):
+        self.core_attention.sizes = sizes
+
+    num_key_value_groups = property(lambda self: self.sizes.groups)
+    scaling = property(lambda self: self.core_attention.scaling)
+    # The original's size attributes (per rank under tensor parallelism, as its "per partition" names say).
+    num_attention_heads_per_partition = property(lambda self: self.sizes.num_heads)
+    hidden_size_per_attention_head = property(lambda self: self.sizes.head_dim)
+    num_multi_query_groups_per_partition = property(lambda self: self.sizes.num_kv_heads)
+    projection_size = property(lambda self: self.sizes.num_heads * self.sizes.head_dim)
+    qkv_hidden_size = property(lambda self: self.sizes.qkv_features)
+    multi_query_attention = property(lambda self: self.sizes.multi_query)
 
     def split_heads(self, mixed: torch.Tensor):
         """Fused projection [batch, seq, qkv] -> q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim]."""
@@ -1532,10 +1624,8 @@ class SelfAttention(nn.Module):
         if past_key_values is not None:
             # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
             key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": inputs.cache_position})
-        attend = attention_function(inputs.implementation)
-        dropout = self.config.attention_dropout if self.training else 0.0
-        out, weights = attend(self, query, key, value, inputs.mask,
-                              **{**inputs.kernel_kwargs, "dropout": dropout, "scaling": self.scaling})
+        out, weights = self.core_attention(query, key, value, inputs.mask, inputs.implementation,
+                                           **inputs.kernel_kwargs)
         return self.dense(out.reshape(batch, seq, -1)), weights
 
 
@@ -1550,8 +1640,15 @@ class MLP(nn.Module):
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
         linear = linear_layer(config)
+        self.add_bias = config.add_bias_linear
         self.dense_h_to_4h = linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=config.add_bias_linear)
         self.dense_4h_to_h = linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+
+    @staticmethod
+    def activation_func(x):
+        """The original's name for the activation: SwiGLU of x = [gate | up]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def forward(self, hidden_states):
         gate, up = self.dense_h_to_4h(hidden_states).chunk(2, dim=-1)
@@ -1596,8 +1693,9 @@ class GLMBlock(GradientCheckpointingLayer):
 
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
-        self.residual_after_norm = config.apply_residual_connection_post_layernorm
-        self.fp32_residual = config.fp32_residual_connection
+        self.layer_number = layer_number
+        self.apply_residual_connection_post_layernorm = config.apply_residual_connection_post_layernorm
+        self.fp32_residual_connection = config.fp32_residual_connection
         self.hidden_dropout = config.hidden_dropout
         self.input_layernorm = make_norm(config)
         self.self_attention = SelfAttention(config, layer_number)
@@ -1608,19 +1706,19 @@ class GLMBlock(GradientCheckpointingLayer):
         """With fp32_residual_connection the residual stream stays fp32 and each norm feeds its sublayer in the
         sublayer's dtype."""
         out = norm(hidden_states)
-        return out.to(norm.weight.dtype) if self.fp32_residual else out
+        return out.to(norm.weight.dtype) if self.fp32_residual_connection else out
 
     def forward(self, hidden_states, inputs: AttentionInputs, past_key_values=None):
         # past_key_values is positional: GradientCheckpointingLayer (5.x) drops a cache passed by keyword, and a
         # checkpointed layer still reads a P-tuning v2 prefix through it (PrefixOnlyCache).
         normed = self.norm(self.input_layernorm, hidden_states)
-        residual = normed if self.residual_after_norm else hidden_states
+        residual = normed if self.apply_residual_connection_post_layernorm else hidden_states
         # The attention output is rebound to the sum at once, not kept alive through the MLP (peak memory).
         hidden_states, weights = self.self_attention(normed, inputs, past_key_values)
         hidden_states = residual + F.dropout(hidden_states, p=self.hidden_dropout, training=self.training)
 
         normed = self.norm(self.post_attention_layernorm, hidden_states)
-        residual = normed if self.residual_after_norm else hidden_states
+        residual = normed if self.apply_residual_connection_post_layernorm else hidden_states
         hidden_states = residual + F.dropout(self.mlp(normed), p=self.hidden_dropout, training=self.training)
         return hidden_states, weights
 
@@ -1630,6 +1728,12 @@ class GLMTransformer(nn.Module):
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
+        self.num_layers = config.num_layers
+        self.post_layer_norm = config.post_layer_norm
+        self.fp32_residual_connection = config.fp32_residual_connection
+        # The original's flag; each layer checkpoints itself (GradientCheckpointingLayer). transformers 4.x sets it
+        # with the layers' when checkpointing is turned on or off.
+        self.gradient_checkpointing = False
         self.layers = nn.ModuleList([GLMBlock(config, number + 1) for number in range(config.num_layers)])
         self.final_layernorm = make_norm(config) if config.post_layer_norm else None
 
@@ -1664,6 +1768,8 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["GLMBlock", "TransformerLayer"]  # TransformerLayer: GLM-4V's vision blocks
     _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache's layers stay where they are (5.24 name)
+    # transformers 4.30's names, which its quantizers set on a quantized model: False until one does.
+    is_loaded_in_4bit = is_loaded_in_8bit = is_quantized = False
     _supports_sdpa = True
     _supports_flash_attn_2 = True  # 4.x name
     _supports_flash_attn = True  # 5.x name
@@ -1778,6 +1884,29 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         them by default); every rank calls it. See parallel_chatglm.py."""
         return import_companion("parallel_chatglm", self.config).tensor_parallel(self, mesh_or_size)
 
+    # The original's mask and position helpers, for code that calls them: this model's forward builds its own.
+    def get_masks(self, input_ids, past_key_values, padding_mask=None):
+        """The original's attention mask [batch, 1, seq, past + seq], True where a query must not look: causal,
+        every cached slot visible, and a 2-D `padding_mask` (1 = token) applied to the keys (and, for a prompt,
+        its padded queries see everything, as in the original)."""
+        batch_size, seq_length = input_ids.shape[:2]  # GLM-4V's original passes the embeddings here
+        mask = torch.ones(batch_size, seq_length, seq_length, device=input_ids.device).tril_()
+        past_length = cached_length_of(past_key_values)
+        if past_length:
+            mask = torch.cat((mask.new_ones(batch_size, seq_length, past_length), mask), dim=-1)
+        if padding_mask is not None:
+            mask = mask * padding_mask.unsqueeze(1)
+            if not past_length:
+                mask -= padding_mask.unsqueeze(-1) - 1
+        return (mask < 0.5).unsqueeze(1)
+
+    def get_position_ids(self, input_ids, device):
+        """Positions 0 .. seq - 1 for every row (the original's; this model's forward counts left padding out)."""
+        batch_size, seq_length = input_ids.shape
+        return torch.arange(seq_length, dtype=torch.long, device=device).unsqueeze(0).repeat(batch_size, 1)
+
+    get_multimodal_position_ids = get_position_ids  # GLM-4V's original name for the same positions
+
     def _init_weights(self, module):
         """Random weights for models built from a config (the original left them uninitialised)."""
         std = getattr(self.config, "initializer_range", 0.02)
@@ -1807,12 +1936,13 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
 class Embedding(nn.Module):
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
+        self.hidden_size = config.hidden_size
         self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
-        self.fp32_residual = config.fp32_residual_connection
+        self.fp32_residual_connection = config.fp32_residual_connection
 
     def forward(self, input_ids):
         embeddings = self.word_embeddings(input_ids)
-        return embeddings.float() if self.fp32_residual else embeddings
+        return embeddings.float() if self.fp32_residual_connection else embeddings
 
 
 class ChatGLMModel(ChatGLMPreTrainedModel):
@@ -1825,6 +1955,11 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         # working: from_pretrained already skips initialising loaded weights, and `device` places the model.
         super().__init__(config)
         check_supported(config)
+        # The original's size attributes (P-tuning and export scripts read them here).
+        self.num_layers, self.kv_channels, self.seq_length = config.num_layers, config.kv_channels, config.seq_length
+        self.multi_query_group_num = config.multi_query_group_num
+        self.pre_seq_len = getattr(config, "pre_seq_len", None)
+        self.prefix_projection = getattr(config, "prefix_projection", False)
         self.embedding = Embedding(config)
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.encoder = GLMTransformer(config)
@@ -1845,6 +1980,17 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.embedding.word_embeddings = value
+
+    def get_prompt(self, batch_size, device, dtype=torch.float16):
+        """The P-tuning v2 prefix as past_key_values: per layer [2, batch, kv_heads, pre_seq_len, head_dim] (key,
+        value), the layout of GLM-4's original and of transformers' legacy caches (ChatGLM2/3's original put the
+        prefix length first). This model's forward adds the prefix itself: pass none."""
+        key_values = require_prefix(self).key_values(batch_size, dtype)
+        return tuple(device_boundary(torch.stack(pair), torch.device(device)) for pair in key_values)
+
+    def quantize(self, weight_bit_width: int):
+        """The original's base-model call: quantizes the blocks' linear layers (see ChatMixin.quantize)."""
+        return quantize_blocks(self, weight_bit_width)
 
     def forward(
         self,
@@ -2569,21 +2715,44 @@ def parse_tool_call(content: str) -> Optional[dict]:
         return None
 
 
+def chat_form_of(config) -> str:
+    """"rounds" for a ChatGLM2 checkpoint (its chat methods have no `role`), else "roles"."""
+    variant = checkpoint_variant(config)
+    return "rounds" if variant and CHECKPOINT_VARIANTS[variant]["chat"] == "rounds" else "roles"
+
+
+class ChatForm:
+    """A chat method with the parameters of the checkpoint's own original: ChatGLM3's (`role`, role messages) or,
+    for a ChatGLM2 checkpoint (model.chat_form == "rounds"), ChatGLM2's, so that positional calls written for it
+    keep their meaning. Both run the same code; the chat format itself follows the tokenizer (`chat_format`)."""
+
+    def __init__(self, with_roles, in_rounds):
+        self.with_roles, self.in_rounds = with_roles, in_rounds
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return self.with_roles
+        function = self.in_rounds if getattr(model, "chat_form", "roles") == "rounds" else self.with_roles
+        return function.__get__(model, owner)
+
+
 class ChatMixin:
     """`model.chat(tokenizer, "你好", history=[])` and friends, with the signatures, defaults and history format of
     chatglm3-6b's remote code; GLM-4 checkpoints get them too, through their chat template. With a ChatGLM2
     tokenizer they are chatglm2-6b's: (query, response) history, `build_inputs`, `build_stream_inputs`."""
 
-    def process_response(self, output: str, history: Optional[list] = None):
+    def process_response_with_roles(self, output: str, history: Optional[list] = None):
         """ChatGLM3: split a decoded answer into the assistant messages it holds; returns (content, history). The
         content is the text, or for a tool call {"name", "parameters"} when the conversation declared tools (else
-        {"name", "content"}). ChatGLM2's call, without a history: the answer stripped, "[[训练时间]]" as 2023年."""
+        {"name", "content"}). A message's first line is its metadata (a tool's name) only when more lines follow,
+        so an answer without a newline is text. ChatGLM2's call, without a history: the answer stripped,
+        "[[训练时间]]" as 2023年."""
         if history is None:
-            return output.strip().replace("[[训练时间]]", "2023年")
+            return self.process_response_in_rounds(output)
         content = ""
         history = copy.deepcopy(history)
         for response in output.split("<|assistant|>"):
-            metadata, content = response.split("\n", maxsplit=1) if "\n" in response else (response, "")
+            metadata, content = response.split("\n", maxsplit=1) if "\n" in response else ("", response)
             if not metadata.strip():
                 content = content.strip()
                 history.append({"role": "assistant", "metadata": metadata, "content": content})
@@ -2598,10 +2767,14 @@ class ChatMixin:
                 content = {"name": metadata.strip(), "content": content}
         return content, history
 
+    def process_response_in_rounds(self, response: str) -> str:
+        """ChatGLM2: the answer stripped, "[[训练时间]]" as 2023年."""
+        return response.strip().replace("[[训练时间]]", "2023年")
+
     @torch.inference_mode()
-    def chat(self, tokenizer, query: str, history: Optional[list] = None, role: str = "user",
-             max_length: int = 8192, num_beams=1, do_sample=True, top_p=0.8, temperature=0.8, logits_processor=None,
-             **kwargs):
+    def chat_with_roles(self, tokenizer, query: str, history: Optional[list] = None, role: str = "user",
+                        max_length: int = 8192, num_beams=1, do_sample=True, top_p=0.8, temperature=0.8,
+                        logits_processor=None, **kwargs):
         """One chat turn; returns (response, history). The caller's history list is not modified."""
         chat = chat_format(tokenizer)
         history = chat.checked_history(history)
@@ -2614,10 +2787,16 @@ class ChatMixin:
         response = tokenizer.decode(answer_ids(outputs[0], inputs["input_ids"].shape[1], stop_ids))
         return chat.reply(self, response, history, query, role)
 
+    def chat_in_rounds(self, tokenizer, query: str, history: Optional[list] = None, max_length: int = 8192,
+                       num_beams=1, do_sample=True, top_p=0.8, temperature=0.8, logits_processor=None, **kwargs):
+        """chat() with ChatGLM2's parameters (no `role`; one passed by name is refused by the chat format)."""
+        return self.chat_with_roles(tokenizer, query, history, kwargs.pop("role", "user"), max_length, num_beams,
+                                    do_sample, top_p, temperature, logits_processor, **kwargs)
+
     @torch.inference_mode()
-    def stream_chat(self, tokenizer, query: str, history: Optional[list] = None, role: str = "user",
-                    past_key_values=None, max_length: int = 8192, do_sample=True, top_p=0.8, temperature=0.8,
-                    logits_processor=None, return_past_key_values=False, **kwargs):
+    def stream_chat_with_roles(self, tokenizer, query: str, history: Optional[list] = None, role: str = "user",
+                               past_key_values=None, max_length: int = 8192, do_sample=True, top_p=0.8,
+                               temperature=0.8, logits_processor=None, return_past_key_values=False, **kwargs):
         """chat() that yields (response, history) as the answer grows (whole characters only), with the cache as a
         third item when `return_past_key_values`; pass that cache back (with the history this call returned) to
         continue the conversation without recomputing it: the cache and the new ids make the whole conversation as
@@ -2650,6 +2829,19 @@ class ChatMixin:
         if shown != text:  # the last text, even if it ends in U+FFFD
             response, new_history = chat.reply(self, text, history, query, role)
             yield (response, new_history, past_key_values) if return_past_key_values else (response, new_history)
+
+    def stream_chat_in_rounds(self, tokenizer, query: str, history: Optional[list] = None, past_key_values=None,
+                              max_length: int = 8192, do_sample=True, top_p=0.8, temperature=0.8,
+                              logits_processor=None, return_past_key_values=False, **kwargs):
+        """stream_chat() with ChatGLM2's parameters (no `role`; one passed by name is refused by the chat format)."""
+        return self.stream_chat_with_roles(tokenizer, query, history, kwargs.pop("role", "user"), past_key_values,
+                                           max_length, do_sample, top_p, temperature, logits_processor,
+                                           return_past_key_values, **kwargs)
+
+    # Each with the parameters of the checkpoint's own original: ChatGLM2's (no `role`) for a ChatGLM2 checkpoint.
+    chat = ChatForm(chat_with_roles, chat_in_rounds)
+    stream_chat = ChatForm(stream_chat_with_roles, stream_chat_in_rounds)
+    process_response = ChatForm(process_response_with_roles, process_response_in_rounds)
 
     def build_inputs(self, tokenizer, query: str, history: Optional[list] = None):
         """ChatGLM2's model inputs for `history` ((query, response) pairs) + `query` (API of chatglm2-6b's code), on
@@ -2731,16 +2923,23 @@ class ChatMixin:
         """The original's `model.quantize(bits)`: weight-only quantization of the blocks' linear layers (embedding
         and output layer stay), now through a maintained library: torchao when installed, else optimum-quanto.
         Returns the model. `empty_init` and `device` are accepted for old calling code and not needed."""
-        if bits == 0:
-            return self
-        if weight_storage(self.config) != "float":
-            raise ValueError(
-                f"quantize({bits}): this model is already quantized (quantization_bit={self.config.quantization_bit} "
-                "in config.json: it was loaded from a pre-quantized checkpoint such as chatglm2-6b-int4, whose layers "
-                "are quantized as stored). Call quantize() only on a model with float weights."
-            )
-        quantize_linear_layers(self.transformer.encoder, bits)
+        quantize_blocks(self.transformer, bits)
+        self.quantized = self.quantized or bits != 0
         return self
+
+
+def quantize_blocks(model: "ChatGLMModel", bits: int) -> "ChatGLMModel":
+    """quantize(bits) of the base model: the blocks' linear layers, weight-only; 0 leaves the model as it is."""
+    if bits == 0:
+        return model
+    if weight_storage(model.config) != "float":
+        raise ValueError(
+            f"quantize({bits}): this model is already quantized (quantization_bit={model.config.quantization_bit} "
+            "in config.json: it was loaded from a pre-quantized checkpoint such as chatglm2-6b-int4, whose layers "
+            "are quantized as stored). Call quantize() only on a model with float weights."
+        )
+    quantize_linear_layers(model.encoder, bits)
+    return model
 
 
 def guarded(logits_processor) -> LogitsProcessorList:
@@ -2868,6 +3067,11 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
     def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
         super().__init__(config)
         self.transformer = ChatGLMModel(config, empty_init=empty_init, device=device)
+        # The original's attributes: config.max_length (transformers' default, 20, unless config.json sets it;
+        # 5.x configs no longer have it), and whether the blocks are quantized.
+        self.max_sequence_length = getattr(config, "max_length", 20)
+        self.quantized = weight_storage(config) != "float"
+        self.chat_form = chat_form_of(config)
         self.post_init()
 
     def get_output_embeddings(self):

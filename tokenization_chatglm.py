@@ -64,7 +64,7 @@ Where to change what (section: names):
                                 columns (each file must work copied alone: tests/test_variants.py checks the copies
                                 are equal)
   a new checkpoint variant      the family's section: GLM-4 `read_tiktoken_ranks` (tokenizer.model's ranks),
-                                ChatGLM3 `_SentencePieceModel`; the vocabulary checks `_check_unfamiliar_ranks`
+                                ChatGLM2/3 `SPTokenizer`; the vocabulary checks `_check_unfamiliar_ranks`
   GLM-4V images                 GLM-4V: `_ChatImages`, `image_to_pixels`
   a new transformers release    transformers compatibility: `_TransformersCompat` (one flag or method per change)
 """
@@ -101,6 +101,16 @@ def _import_tiktoken():
     except ImportError as err:
         raise ImportError("ChatGLM4Tokenizer needs the `tiktoken` package: pip install tiktoken") from err
     return tiktoken
+
+
+def _import_regex():
+    # tiktoken's own dependency (GLM-4's `pat_str` is compiled with it, as in the original).
+    try:
+        import regex
+    except ImportError as err:
+        raise ImportError("ChatGLM4Tokenizer needs the `regex` package (a tiktoken dependency): pip install regex") \
+            from err
+    return regex
 
 
 def _import_sentencepiece():
@@ -382,7 +392,8 @@ class _SpecialTokenParsing:
             token.content for index, token in self._added_tokens_decoder.items()
             if token.special and index not in reserved
         ]
-        parsed = self.CONTROL_TOKENS if self.PARSED_CONTROL_TOKENS is None else self.PARSED_CONTROL_TOKENS
+        every = self.PARSED_CONTROL_TOKENS is None or getattr(self, "encode_special_tokens", False)
+        parsed = self.CONTROL_TOKENS if every else self.PARSED_CONTROL_TOKENS
         return list(parsed) + user_specials
 
     def _user_vocabulary_texts(self) -> List[str]:
@@ -1059,6 +1070,8 @@ class ChatGLM4Tokenizer(_ChatImages, _GLMTokenizerBase):
     EXPECTED_FILE = "GLM-4's tiktoken BPE file"
     LONG_BLANK_RUN = 1 << 15  # runs of this many blanks or more are split before tiktoken's regex (see above)
 
+    name = "GLM4Tokenizer"  # the original's name
+
     def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False, **kwargs):
         kwargs.setdefault("eos_token", self.EOS_TOKEN)
         kwargs.setdefault("pad_token", self.EOS_TOKEN)
@@ -1082,6 +1095,10 @@ class ChatGLM4Tokenizer(_ChatImages, _GLMTokenizerBase):
             name="glm4", pat_str=GLM4_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
         )
         self.special_tokens = specials
+        # The original's names: its id -> bytes table, the count of ranks and tiktoken's split pattern, compiled.
+        self.decoder = dict(enumerate(self._id_to_bytes))
+        self.n_words = len(ranks)
+        self.pat_str = _import_regex().compile(GLM4_PAT_STR)
         return len(ranks)
 
     @property
@@ -1134,10 +1151,13 @@ class ChatGLM4Tokenizer(_ChatImages, _GLMTokenizerBase):
     def convert_tokens_to_string(self, tokens: List[Union[bytes, str]]) -> str:
         return self._join_decoded(list(tokens))
 
-    def build_single_message(self, role: str, metadata: str, message: str) -> List[int]:
-        """`<|role|>metadata\\nmessage` as ids, message encoded as plain text (API of the original)."""
+    def build_single_message(self, role: str, metadata: str, message: str, tokenize=True) -> Union[List[int], str]:
+        """`<|role|>metadata\\nmessage` as ids, message encoded as plain text, or as text with `tokenize=False`
+        (API of the original)."""
         if role not in ("system", "user", "assistant", "observation"):
             raise ValueError(f"unknown role {role!r}")
+        if not tokenize:
+            return f"<|{role}|>{metadata}\n{message}"
         return [self.get_command(f"<|{role}|>")] + self._encode_text(f"{metadata}\n") + self._encode_text(message)
 
     def _resolve_chat_template(self, chat_template, tools) -> str:
@@ -1160,10 +1180,12 @@ _CHATGLM3_STOCK_TEMPLATE_SHA256 = "e4496f930bf7b7bc7e7cf8232e90fd43ab4a9d8eb9c77
 _CHATGLM3_ROLES = _GLMTokenizerBase.CHAT_ROLES
 
 
-class _SentencePieceModel:
-    """ChatGLM3's SentencePiece model with its control tokens (the original's `tokenizer.tokenizer`)."""
+class SPTokenizer:
+    """ChatGLM2/3's SentencePiece model with its control tokens: the original's `tokenizer.tokenizer`, with its names
+    and what they return (`n_words` and `index_special_tokens` count the control tokens, as scripts that map ids to
+    text read them). The tokenizer itself reads `sp_model`, `pieces`, `encode` and `decode_pieces`."""
 
-    def __init__(self, path: str, control_tokens: Tuple[str, ...]):
+    def __init__(self, path: str, control_tokens: Tuple[str, ...], control_tokens_have_text: bool = True):
         sentencepiece = _import_sentencepiece()
         expected = f"ChatGLM3's SentencePiece model ({CHATGLM3_N_PIECES} pieces)"
         self.sp_model = sentencepiece.SentencePieceProcessor()
@@ -1180,22 +1202,59 @@ class _SentencePieceModel:
             except UnicodeDecodeError:
                 raise ValueError(f"{path}: piece {index} is not valid UTF-8 (the file is damaged); expected "
                                  f"{expected}") from None
-        self.n_words = self.sp_model.vocab_size()
+        self.pieces = self.sp_model.vocab_size()
         self.bos_id, self.eos_id, self.pad_id = self.sp_model.bos_id(), self.sp_model.eos_id(), self.sp_model.unk_id()
-        self.special_tokens = {token: self.n_words + index for index, token in enumerate(control_tokens)}
+        self.special_tokens = {token: self.pieces + index for index, token in enumerate(control_tokens)}
+        self.index_special_tokens = {index: token for token, index in self.special_tokens.items()}
+        self.n_words = self.pieces + len(control_tokens)
+        self.role_special_token_expression = "|".join(re.escape(token) for token in control_tokens)
+        self._control_tokens_have_text = control_tokens_have_text  # ChatGLM2's have none: convert_id_to_token gives ""
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> List[int]:
-        ids = self.sp_model.encode(text)
+    def encode(self, s: str, bos: bool = False, eos: bool = False) -> List[int]:
+        ids = self.sp_model.encode(s)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def tokenize(self, text: str) -> List[str]:
-        return self.sp_model.encode(text, out_type=str)
+    def tokenize(self, s: str, encode_special_tokens=False) -> List[str]:
+        """Pieces of `s`; with `encode_special_tokens` every control token's text is kept whole (the original's)."""
+        if not encode_special_tokens:
+            return self.sp_model.encode(s, out_type=str)
+        tokens = []
+        for index, part in enumerate(re.split(f"({self.role_special_token_expression})", s)):
+            tokens += [part] if index % 2 else (self.sp_model.encode(part, out_type=str) if part else [])
+        return tokens
 
-    def decode(self, ids: List[int]) -> str:
-        # SentencePiece's control pieces (<unk>, <s>, </s>) and ids outside the model decode to "" (the original's
-        # behaviour; byte fallback means text never produces <unk>).
+    def decode(self, t: List[int]) -> str:
+        """The text of ids, ChatGLM3's control tokens written as their text (the original's; ChatGLM2's have none;
+        the tokenizer's decode() has the skip_special_tokens choice)."""
+        text, run = "", []
+        for index in list(t) + [None]:
+            if index is None or index in self.index_special_tokens:
+                text += self.sp_model.decode(run) if run else ""
+                text += self.index_special_tokens.get(index, "") if self._control_tokens_have_text else ""
+                run = []
+            else:
+                run.append(index)
+        return text
+
+    def decode_pieces(self, ids: List[int]) -> str:
+        # SentencePiece's control pieces (<unk>, <s>, </s>) and ids outside the model decode to "" (the original
+        # tokenizer's behaviour; byte fallback means text never produces <unk>).
         control = (self.bos_id, self.eos_id, self.pad_id)
-        return self.sp_model.decode([index for index in ids if 0 <= index < self.n_words and index not in control])
+        return self.sp_model.decode([index for index in ids if 0 <= index < self.pieces and index not in control])
+
+    def decode_tokens(self, tokens: List[str]) -> str:
+        return self.sp_model.decode_pieces(list(tokens))
+
+    def convert_token_to_id(self, token):
+        return self.special_tokens[token] if token in self.special_tokens else self.sp_model.piece_to_id(token)
+
+    def convert_id_to_token(self, index):
+        """A piece, a control token's text, or "" for <s>, </s>, <unk> and ids outside the vocabulary."""
+        if index in self.index_special_tokens:
+            return self.index_special_tokens[index] if self._control_tokens_have_text else ""
+        if index in (self.eos_id, self.bos_id, self.pad_id) or not 0 <= index < self.pieces:
+            return ""
+        return self.sp_model.id_to_piece(index)
 
 
 # ---- ChatGLM2 (chatglm2-6b): the same class, in the original chatglm2-6b tokenizer's form ------------------------
@@ -1420,9 +1479,14 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
     EOS_TOKEN = "</s>"
     EXPECTED_FILE = "ChatGLM3's SentencePiece model"
 
+    name = "GLMTokenizer"  # the original's names
+    unique_no_split_tokens: List[str] = []
+
     def __init__(self, vocab_file, padding_side="left", clean_up_tokenization_spaces=False, chatglm_family=None,
-                 **kwargs):
+                 encode_special_tokens=False, **kwargs):
         self.chatglm_family, evidence = chatglm_family_of(vocab_file, chatglm_family, warn=True)
+        # The original's switch: True parses every control token in text, "[MASK]" and "eop" included.
+        self.encode_special_tokens = encode_special_tokens
         if self.chatglm_family == "chatglm2":
             for name, value in CHATGLM2_FORM.items():
                 setattr(self, name, value)
@@ -1444,7 +1508,7 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
 
     @classmethod
     def _check_model_file(cls, vocab_file: str) -> None:
-        _SentencePieceModel(vocab_file, cls.CONTROL_TOKENS)
+        SPTokenizer(vocab_file, cls.CONTROL_TOKENS)
 
     @classmethod
     def _check_before_build(cls, vocab_file: str, kwargs: dict) -> None:
@@ -1453,8 +1517,8 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
         chatglm_family_of(vocab_file, kwargs.get("chatglm_family", _json_field(config, "chatglm_family")))
 
     def _load_model(self, vocab_file: str) -> int:
-        self.tokenizer = _SentencePieceModel(vocab_file, self.CONTROL_TOKENS)
-        return self.tokenizer.n_words
+        self.tokenizer = SPTokenizer(vocab_file, self.CONTROL_TOKENS, not self.CONTROL_TOKENS_DECODE_EMPTY)
+        return self.tokenizer.pieces
 
     def get_command(self, token: str) -> int:
         """Id of a control token, or of "<bos>", "<eos>", "<unk>", "<pad>" (API of the original)."""
@@ -1468,19 +1532,19 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.n_words + len(self.CONTROL_TOKENS)
+        return self.tokenizer.n_words
 
     def _base_vocab(self) -> Dict[str, int]:
         if not hasattr(self, "_piece_vocab"):
             sp_model = self.tokenizer.sp_model
-            self._piece_vocab = {sp_model.id_to_piece(index): index for index in range(self.tokenizer.n_words)}
+            self._piece_vocab = {sp_model.id_to_piece(index): index for index in range(self.tokenizer.pieces)}
         return self._piece_vocab
 
     def _base_token_to_id(self, token):
         return self.tokenizer.sp_model.piece_to_id(token)
 
     def _base_id_to_token(self, index: int) -> str:
-        return self.tokenizer.sp_model.id_to_piece(index) if 0 <= index < self.tokenizer.n_words else ""
+        return self.tokenizer.sp_model.id_to_piece(index) if 0 <= index < self.tokenizer.pieces else ""
 
     def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
         if not self.CONTROL_TOKENS_DECODE_EMPTY:
@@ -1502,7 +1566,7 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
     def _decode_run(self, ids: List[int]) -> str:
         # Each run of pieces between control tokens was encoded on its own, with SentencePiece's leading "▁"; decoding
         # the run on its own drops that marker again.
-        return self.tokenizer.decode(ids)
+        return self.tokenizer.decode_pieces(ids)
 
     def convert_tokens_to_string(self, tokens: List[str]) -> str:
         return self._decode(self.convert_tokens_to_ids(list(tokens)))

@@ -156,9 +156,14 @@ class Attention(nn.Module):
     def __init__(self, sizes: VisionSizes):
         super().__init__()
         self.num_heads = sizes.num_heads
+        self.scale = (sizes.hidden_size // sizes.num_heads) ** -0.5
         self.query_key_value = nn.Linear(sizes.hidden_size, 3 * sizes.hidden_size)
         self.dense = nn.Linear(sizes.hidden_size, sizes.hidden_size)
         self.output_dropout = nn.Dropout(sizes.dropout)
+
+    def attention(self, q, k, v):
+        """The original's explicit attention over [batch, heads, length, head_dim] (forward uses SDPA)."""
+        return torch.matmul(torch.matmul(q * self.scale, k.transpose(-2, -1)).softmax(dim=-1), v)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, length, _ = hidden_states.shape
@@ -170,6 +175,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, sizes: VisionSizes):
         super().__init__()
+        self.config = sizes  # the original's name for the vision settings
         self.activation_fn = ACT2FN[sizes.hidden_act]
         self.fc1 = nn.Linear(sizes.hidden_size, sizes.intermediate_size)
         self.fc2 = nn.Linear(sizes.intermediate_size, sizes.hidden_size)
@@ -219,13 +225,14 @@ class GLU(nn.Module):
         self.linear_proj = nn.Linear(in_features, config.hidden_size, bias=False)
         self.norm1 = nn.LayerNorm(config.hidden_size)
         self.act1 = nn.GELU()
+        self.act2 = F.silu
         self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
         self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
         self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act1(self.norm1(self.linear_proj(x)))
-        return self.dense_4h_to_h(F.silu(self.gate_proj(x)) * self.dense_h_to_4h(x))
+        return self.dense_4h_to_h(self.act2(self.gate_proj(x)) * self.dense_h_to_4h(x))
 
 
 class EVA2CLIPModel(nn.Module):

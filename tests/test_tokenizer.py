@@ -257,7 +257,7 @@ def test_chatglm3_facts_match_original_with_fixes(chatglm3_tokenizer, chatglm3_r
     assert tok.get_prefix_tokens() == info["prefix_tokens"]
     assert {t: tok.convert_tokens_to_ids(t) for t in info["special_token_ids"]} == info["special_token_ids"]
     assert tok.special_tokens == info["chatglm_special_tokens_attr"]
-    assert tok.tokenizer.n_words == info["sp_vocab_size"]
+    assert tok.tokenizer.sp_model.vocab_size() == info["sp_vocab_size"]
     assert [tok.tokenizer.bos_id, tok.tokenizer.eos_id, tok.tokenizer.pad_id] == info["sp_bos_eos_unk"]
     # CHATGLM3-SKIP-SPECIAL-NOOP fixed: the 9 control tokens are special tokens.
     controls = [info["special_token_ids"][t] for t in CHATGLM3_CONTROLS]
@@ -1217,7 +1217,7 @@ def test_chatglm2_facts_match_original_with_fixes(chatglm2_tokenizer, chatglm2_r
         with pytest.raises(KeyError, match=re.escape(token)):
             tok.get_command(token)
     assert tok.special_tokens == info["chatglm_special_tokens_attr"]
-    assert tok.tokenizer.n_words == info["sp_vocab_size"]
+    assert tok.tokenizer.sp_model.vocab_size() == info["sp_vocab_size"]
     assert [tok.tokenizer.bos_id, tok.tokenizer.eos_id, tok.tokenizer.pad_id] == info["sp_bos_eos_unk"]
     assert tok.chat_template is info["chat_template"] is None
     assert info["has_build_prompt"] and not info["has_build_chat_input"]
