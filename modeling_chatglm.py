@@ -1711,6 +1711,8 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             # 5.x leaves a checkpoint's two stored matrices untied (with a warning) even when the config asks for
             # tying; 4.x ties them, the input embedding winning. from_pretrained(..., tie_word_embeddings=True) ties.
             model.tie_weights()
+        if weight_storage(model.config) != "float":
+            model.use_quantized_kernel("auto")
         return (model, info) if with_info else model
 
     if _HAS_ACTIVATION_CHECKPOINTING:
@@ -1772,6 +1774,23 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             found, target = find_companion(name, self.config), Path(save_directory) / f"{name}.py"
             if found is not None and not (target.exists() and target.samefile(found)):
                 shutil.copyfile(found, target)
+
+    def use_quantized_kernel(self, kernel: str = "packed") -> int:
+        """A pre-quantized (int4) model's matrix kernel (quantization_chatglm.py): "packed", torch's int4 kernel on
+        bf16 activations for decode (the default in bf16/fp16 models, where torch has it for the device; an opt-in in
+        fp32, README: its deviation), "exact" (the original's arithmetic), "auto" (what from_pretrained chose). Call
+        it again after moving the model to another device. Returns how many layers run packed."""
+        if weight_storage(self.config) == "float":
+            raise ValueError(
+                f"use_quantized_kernel({kernel!r}): this model's weights are not pre-quantized (quantization_bit="
+                f"{self.config.quantization_bit}); it applies to checkpoints such as chatglm2-6b-int4.")
+        packed = import_companion("quantization_chatglm", self.config).use_kernel(self, kernel, self.dtype)
+        if kernel == "packed" and not packed:
+            raise ValueError(
+                f"use_quantized_kernel('packed'): torch {torch.__version__} has no int4 kernel for "
+                f"{self.device.type} that takes this model's int4 layers (quantization_bit=8 has none): "
+                "use 'exact', or a newer torch.")
+        return packed
 
     def tensor_parallel(self, mesh_or_size=None):
         """Shard this model in place over a 1-D DeviceMesh, or over `mesh_or_size` ranks of torch.distributed (all of
