@@ -58,9 +58,9 @@ class QuantizedLinear(nn.Linear):
         self._register_state_dict_hook(float16_scales)
         self.kernel = "auto"
         self.packed: Optional[Int4Packed] = None  # see use_kernel
-        # New codes (load_state_dict) make the packed copy stale: it is dropped (use_kernel packs again). A copy left
-        # on another device by a move is not used (runs_packed): the exact path runs there.
-        self._register_load_state_dict_pre_hook(drop_packed)
+        # New codes (load_state_dict) make a packed copy stale: it is packed again. A copy left on another device by
+        # a move is not used (runs_packed): the exact path runs there until use_kernel packs it there.
+        self.register_load_state_dict_post_hook(pack_again)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, bits: int) -> "QuantizedLinear":
@@ -140,8 +140,9 @@ class QuantizedLinear(nn.Linear):
             nn.init.zeros_(self.bias)
 
 
-def drop_packed(module, *args):
-    module.packed = None
+def pack_again(module, incompatible_keys):
+    if module.packed is not None:
+        module.packed = pack_int4(module)
 
 
 def float16_scales(module, state_dict, prefix, local_metadata):
