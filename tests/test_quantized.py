@@ -136,6 +136,21 @@ def test_a_float32_load_runs_the_exact_path(int4_model):
     assert all(layer.kernel == "auto" and layer.packed is None for layer in quantized_layers(int4_model))
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_the_exact_path_block_by_block_equals_the_dequantized_weights_product(int4, monkeypatch, dtype, tolerance):
+    """The exact path turns a block of rows of codes into floats at a time; several blocks give the product of the
+    whole dequantized weight (the original's arithmetic), within fp32's or bf16's rounding of the regrouped sums."""
+    model = load(int4.folder, dtype)
+    generator = torch.Generator().manual_seed(0)
+    for layer in quantized_layers(model.transformer.encoder.layers[0]):
+        monkeypatch.setattr(companion(model), "EXACT_BLOCK", 48 * layer.weight.shape[1])  # 48 rows: a short last one
+        x = torch.randn(3, 5, layer.in_features, generator=generator).to(dtype)
+        expected = torch.nn.functional.linear(x.float(), layer.dequantized_weight(torch.float32),
+                                              None if layer.bias is None else layer.bias.float())
+        torch.testing.assert_close(layer.exact_forward(x, layer.bias).float(), expected,
+                                   atol=tolerance * expected.abs().max().item(), rtol=0)
+
+
 def test_the_packed_kernel_gives_the_exact_paths_logits_within_bf16s_rounding(int4):
     """One decode step of the packed kernel (the default in bf16) against the same model on the exact path, and the
     fp32 opt-in against the fp32 exact path: within 2% of the largest logit (bf16 activations: ~8 bits of mantissa)."""
