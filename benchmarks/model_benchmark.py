@@ -773,6 +773,78 @@ def step_profile(results, models, args, clock):
                     print(f"    {key[:70]:<70} fork {fork[key]:>5} native {native[key]:>5}", flush=True)
 
 
+# Operators that only describe other memory (or return their input unchanged): not counted as work.
+VIEW_OPERATORS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "permute", "slice", "select",
+                  "split", "split_with_sizes", "chunk", "unflatten", "flatten", "expand", "expand_as", "unsqueeze",
+                  "squeeze", "as_strided", "t", "alias", "detach", "narrow", "unbind", "view_as", "lift_fresh",
+                  "contiguous", "to", "type_as", "resolve_conj", "resolve_neg"}
+COPYING_WHEN_NEEDED = {"reshape", "flatten", "contiguous", "to", "type_as"}  # counted where they do copy
+
+
+def layer_operators(results, models, args, clock):
+    """Operators of one decoder layer in a bs=1 decode step (dynamic cache, context --batch-context): the torch
+    operators called by the layer itself, not those inside another operator, views and no-op casts left out; on CUDA
+    also the kernels it launches. A launch-bound GPU step costs in proportion (targets: <= 24 operators on a CPU,
+    <= 25 kernels)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    tokens = random_ids(1, 2, 6, args.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    counts = {}
+    for name, model in models.items():
+        layer = model.transformer.encoder.layers[0] if hasattr(model, "transformer") else model.model.layers[0]
+        generator = torch.Generator(device=args.device).manual_seed(4)
+        cache = filled_cache(model, "dynamic", 1, args.batch_context, args.batch_context + 2, generator)
+        scope = record_function("layer")
+
+        def enter(*_):
+            scope.__enter__()
+
+        def leave(*_):
+            scope.__exit__(None, None, None)
+
+        hooks = [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+        try:
+            with torch.no_grad():
+                model(input_ids=tokens[:, :1], **kv_cache.argument(cache), use_cache=True)
+                with profile(activities=activities) as prof:
+                    model(input_ids=tokens[:, 1:], **kv_cache.argument(cache), use_cache=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        counts[name] = count_layer_events(prof.events())
+        del cache
+    results.add("profile", "operators per layer, bs=1 decode step (views and no-op casts left out)", "count",
+                {name: [c[0]] for name, c in counts.items()}, note="target <= 24 on a CPU")
+    if args.device.startswith("cuda"):
+        results.add("profile", "CUDA kernels per layer, bs=1 decode step", "count",
+                    {name: [c[1]] for name, c in counts.items()}, note="target <= 25")
+
+
+def count_layer_events(events) -> tuple:
+    """(operators, kernel launches) under the profiler scope "layer"."""
+    def inside_layer(event):
+        while event is not None:
+            if event.name == "layer":
+                return True
+            event = event.cpu_parent
+        return False
+
+    operators = launches = 0
+    for event in events:
+        if event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") and inside_layer(event):
+            launches += 1
+        if not event.name.startswith("aten::") or not inside_layer(event.cpu_parent):
+            continue
+        if event.cpu_parent.name.startswith("aten::"):  # inside another operator
+            continue
+        name = event.name[len("aten::"):]
+        copies = name in COPYING_WHEN_NEEDED and any(not c.name[len("aten::"):] in VIEW_OPERATORS
+                                                     for c in event.cpu_children)
+        operators += name not in VIEW_OPERATORS or copies
+    return operators, launches
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -885,7 +957,7 @@ def main(argv=None) -> int:
           flush=True)
     results = Results()
     for section, run in (("kv", kv_memory), ("prefill", prefill), ("decode", decode), ("generate", generate),
-                         ("profile", step_profile), ("int4", int4)):
+                         ("profile", step_profile), ("profile", layer_operators), ("int4", int4)):
         if section in args.sections:
             print(f"{section}:", flush=True)
             run(results, models, args) if section == "kv" else run(results, models, args, clock)
