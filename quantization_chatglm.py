@@ -12,9 +12,10 @@ original writes it:
   <module>.bias          as the layer's (the query_key_value bias), unquantized
 
 The weights stay quantized in memory. Two ways to multiply by them (`QuantizedLinear.kernel`):
-  exact   the original's arithmetic, the default in fp32: the codes are turned into floats and multiplied, the
-          per-row scale applied to the product in fp32 (the sum regrouped: within 1e-6 relative of the original's CPU
-          path, which scales the weight first), to the weight in fp16/bf16 (whose range the unscaled sums could leave).
+  exact   the original's arithmetic, the default in fp32: the codes are turned into floats a block of rows at a
+          time and multiplied, the per-row scale applied to the product in fp32 (the sum regrouped: within 1e-6
+          relative of the original's CPU path, which scales the weight first), to the weight in fp16/bf16 (whose
+          range the unscaled sums could leave).
   packed  int4 only: torch's weight-only int4 matrix product (tinygemm on CUDA, its CPU twin) on a copy of the codes
           packed for it at load, bf16 activations. For a few rows (decode), where the exact path spends its time
           turning codes into floats; more rows (prefill) take the exact path. The default for a bf16/fp16 model
@@ -24,7 +25,7 @@ The packed copy is a plain attribute, not a parameter or buffer: the state dict,
 original's storage only.
 """
 
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +140,8 @@ class QuantizedLinear(nn.Linear):
             columns = [c.to(x.dtype) for c in self.code_columns(codes)]
             if x.dtype != torch.float32:
                 columns = [c * block_scale[:, None] for c in columns]
-            blocks.append(sum(F.linear(part, c) for part, c in zip(inputs, columns)))
+            products = [F.linear(part, c) for part, c in zip(inputs, columns)]
+            blocks.append(products[0] if len(products) == 1 else products[0] + products[1])
         out = torch.cat(blocks, dim=-1) if len(blocks) > 1 else blocks[0]
         out = out * scale if x.dtype == torch.float32 else out
         return out if bias is None else out + bias
@@ -176,12 +178,19 @@ def quantized_linear(bits: int):
 
 
 class Int4Kernel(NamedTuple):
-    """One of torch's int4 kernel pairs and the layout of codes its packing op takes."""
+    """One of torch's int4 kernel pairs (aten operator names: a model holding them still pickles) and the layout of
+    codes its packing operator takes."""
 
-    convert: Callable  # (codes in `layout`, inner_k_tiles) -> the packed weight
-    matmul: Callable  # (x bf16 [rows, in], packed, group_size, scales_and_zeros bf16 [in / group, out, 2])
+    convert_name: str  # (codes in `layout`, inner_k_tiles) -> the packed weight
+    matmul_name: str  # (x bf16 [rows, in], packed, group_size, scales_and_zeros bf16 [in / group, out, 2])
     layout: str  # "bytes": uint8 [out, in / 2], q = code + 8, the even column high; "int32": q as int32 [out, in]
     inner_k_tiles: int
+
+    def convert(self, codes: torch.Tensor) -> torch.Tensor:
+        return getattr(torch.ops.aten, self.convert_name)(codes, self.inner_k_tiles)
+
+    def matmul(self, *args) -> torch.Tensor:
+        return getattr(torch.ops.aten, self.matmul_name)(*args)
 
 
 class Int4Packed(NamedTuple):
@@ -216,7 +225,7 @@ def kernel_candidates(device: torch.device) -> list:
     aten = torch.ops.aten
     pairs = [("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", 1)] if device.type == "cpu" else []
     pairs.append(("_convert_weight_to_int4pack", "_weight_int4pack_mm", 8))
-    return [Int4Kernel(getattr(aten, convert), getattr(aten, matmul), layout, tiles)
+    return [Int4Kernel(convert, matmul, layout, tiles)
             for convert, matmul, tiles in pairs if hasattr(aten, convert) and hasattr(aten, matmul)
             for layout in ("bytes", "int32")]
 
@@ -252,7 +261,7 @@ def pack_int4(layer: QuantizedLinear) -> Optional[Int4Packed]:
         return None
     try:
         packed = pack_with(kernel, layer)
-    except RuntimeError:  # sizes the kernel does not take (out not a multiple of 16 on CPU, 8 on CUDA, ...)
+    except (RuntimeError, NotImplementedError):  # sizes it does not take (out not a multiple of 16 on CPU, 8 on CUDA)
         return None
     return packed if packed is not None and agrees(packed, layer) else None
 
@@ -266,7 +275,7 @@ def pack_with(kernel: Int4Kernel, layer: QuantizedLinear) -> Optional[Int4Packed
             codes = layer.weight.view(torch.uint8) ^ 0x88
         else:
             codes = torch.stack(layer.code_columns(), dim=-1).flatten(-2).to(torch.int32) + 8
-        weight = kernel.convert(codes.contiguous(), kernel.inner_k_tiles)
+        weight = kernel.convert(codes.contiguous())
         scale = layer.weight_scale.to(torch.bfloat16)
         groups = layer.in_features // group_size
         scales_and_zeros = torch.stack((scale.expand(groups, -1), torch.zeros_like(scale).expand(groups, -1)), dim=-1)

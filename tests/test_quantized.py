@@ -187,7 +187,8 @@ def test_the_packed_kernel_runs_for_few_rows_only_and_never_under_autograd(int4)
     layer = model.transformer.encoder.layers[0].mlp.dense_4h_to_h
     generator = torch.Generator().manual_seed(0)
     rows = companion(model).PACKED_MAX_ROWS
-    few, many = (torch.randn(1, n, layer.in_features, generator=generator, dtype=torch.bfloat16) for n in (rows, rows + 1))
+    few, many = (torch.randn(1, n, layer.in_features, generator=generator, dtype=torch.bfloat16)
+                 for n in (rows, rows + 1))
     with torch.no_grad():
         assert not torch.equal(layer(few), layer.exact_forward(few, None))
         assert torch.equal(layer(many), layer.exact_forward(many, None))
@@ -232,7 +233,8 @@ def test_a_packed_model_saves_the_original_storage(int4, tmp_path):
 def test_loading_new_codes_packs_them_again(int4):
     model = load(int4.folder, torch.bfloat16)
     int4_kernel_or_skip(model)
-    layer, other = model.transformer.encoder.layers[1].self_attention.dense, model.transformer.encoder.layers[0].self_attention.dense
+    layers = model.transformer.encoder.layers
+    layer, other = layers[1].self_attention.dense, layers[0].self_attention.dense
     x = torch.randn(1, layer.in_features, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
     with torch.no_grad():
         layer.load_state_dict(other.state_dict())
