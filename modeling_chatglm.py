@@ -38,6 +38,8 @@ Where to change what (section: names):
   loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
   tensor parallelism            parallel_chatglm.py
   pre-quantized weights (int4)  Config, sizes and checks: `linear_layer` (the one choice); quantization_chatglm.py
+                                (its two kernels, exact and packed: `QuantizedLinear.use_kernel`, chosen after loading
+                                by `use_quantized_kernel`)
 """
 
 import ast
