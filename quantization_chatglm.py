@@ -36,8 +36,8 @@ KERNELS = ("auto", "exact", "packed")
 # Rows of one call up to which the packed kernel runs: a decode step, or a small batch of them. Beyond, tinygemm's
 # few-row tiles lose to a dense product of dequantized weights (at 2048 rows on an H100: 27.9 ms against 3.1).
 PACKED_MAX_ROWS = 32
-# Codes the exact path turns into floats at a time: 2 MiB of fp32 stays in a core's cache for its product, where a whole
-# layer's would go out to memory and back (one decode row: 2-6x faster on a 2-core EPYC, the smallest layers 2x).
+# Codes the exact path turns into floats at a time on a CPU: 2 MiB of fp32 stays in a core's cache for its product,
+# where a whole layer's would go out to memory and back (one decode row: 2-6x faster on a 2-core EPYC).
 EXACT_BLOCK = 2 ** 19
 
 
@@ -134,7 +134,8 @@ class QuantizedLinear(nn.Linear):
         sums could leave)."""
         inputs = (x,) if self.bits == 8 else (x[..., 0::2], x[..., 1::2])
         scale = self.weight_scale.to(x.dtype)
-        rows = max(1, EXACT_BLOCK // self.weight.shape[1])
+        # CPU: blocks that stay in cache; a GPU streams the whole weight (blocks would only add kernel launches)
+        rows = max(1, EXACT_BLOCK // self.weight.shape[1]) if x.device.type == "cpu" else self.out_features
         blocks = []
         for codes, block_scale in zip(self.weight.split(rows), scale.split(rows)):
             columns = [c.to(x.dtype) for c in self.code_columns(codes)]
