@@ -1799,9 +1799,11 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         packed = import_companion("quantization_chatglm", self.config).use_kernel(self, kernel, self.dtype)
         if kernel == "packed" and not packed:
             raise ValueError(
-                f"use_quantized_kernel('packed'): torch {torch.__version__} has no int4 kernel for "
-                f"{self.device.type} that takes this model's int4 layers (quantization_bit=8 has none): "
-                "use 'exact', or a newer torch.")
+                "use_quantized_kernel('packed'): " + (
+                    "the packed kernel is torch's int4 one; quantization_bit=8 runs 'exact'."
+                    if self.config.quantization_bit == 8 else
+                    f"torch {torch.__version__} has no int4 kernel for {self.device.type} that takes this model's "
+                    "int4 layers: use 'exact', or a newer torch."))
         return packed
 
     def tensor_parallel(self, mesh_or_size=None):
