@@ -211,6 +211,13 @@ def test_without_an_int4_kernel_the_exact_path_runs_and_packed_is_refused(int4, 
         model.use_quantized_kernel("fast")
 
 
+def test_an_8_bit_model_runs_exact_and_refuses_packed(tmp_path, int4):
+    model = load(quantized_source(tmp_path, 8)[0], torch.bfloat16)
+    assert all(layer.packed is None for layer in quantized_layers(model))
+    with pytest.raises(ValueError, match="use_quantized_kernel\\('packed'\\): .*quantization_bit=8 runs 'exact'"):
+        model.use_quantized_kernel("packed")
+
+
 def test_use_quantized_kernel_on_a_float_model_is_refused(tiny_model):
     with pytest.raises(ValueError, match="not pre-quantized.*quantization_bit"):
         tiny_model("chatglm3").use_quantized_kernel()
