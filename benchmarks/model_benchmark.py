@@ -17,9 +17,10 @@ noise a ratio is to be read against.
 Sections: KV bytes the cache keeps alive (every storage counted once, against the theory); prefill time and peak
 tensor memory; single-sequence decode at several contexts and how its cost grows with the context; batched decode;
 generate() with dynamic and static caches (both models must produce the same tokens; the first call with a static
-cache, in which transformers compiles on CUDA, apart); the operators and kernels of one batched decode step; int4: the
-fork model stored as chatglm2-6b-int4 stores its weights against the same weights dequantized (in that section the
-"native" column is the dequantized fork: bytes held and decode time); load and
+cache, in which transformers compiles on CUDA, apart); the operators and kernels of one batched decode step, and of one
+layer in a bs=1 step; int4: the fork model stored as chatglm2-6b-int4 stores its weights, on each of its kernels,
+against the same weights dequantized in the device's fastest float dtype (in that section the "native" column is that
+twin: bytes held, decode and prefill time, and the previous int4 forward as a baseline); load and
 long-prefill memory of fresh processes (RSS); decode against the memory bandwidth: weights + KV bytes read per step
 over the step time, against a STREAM-like copy measured in the same run, against the model's own matrix-vector
 products timed alone (what torch's kernels reach on these weights), and torch.compile'd decode, also replayed as CUDA
@@ -900,9 +901,10 @@ def parse_args(argv=None):
     parser.add_argument("--gen-new", type=int, default=64)
     parser.add_argument("--limit-dtypes", help="dtypes of the bandwidth lines (default: float32,bfloat16 on CPU)")
     parser.add_argument("--sections", default="kv,prefill,decode,generate,profile,int4,memory,bandwidth,compiled",
-                        help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth); profile: "
-                             "operators and kernels of one batched decode step; int4: a pre-quantized int4 model "
-                             "against the same weights dequantized (bytes held, decode)")
+                        help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth; with int4 on "
+                             "CUDA the int4 model's CUDA-graph decode); profile: operators and kernels of one batched "
+                             "decode step and per layer; int4: a pre-quantized int4 model on each kernel against the "
+                             "same weights dequantized (bytes held, decode, prefill)")
     parser.add_argument("--in-memory", action="store_true",
                         help="build both models in device memory from the same random weights, writing no checkpoint "
                              "(no fresh-process memory lines; the bandwidth lines in --dtype only)")
