@@ -38,6 +38,8 @@ Where to change what (section: names):
   loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
   tensor parallelism            parallel_chatglm.py
   pre-quantized weights (int4)  Config, sizes and checks: `linear_layer` (the one choice); quantization_chatglm.py
+                                (its two kernels, exact and packed: `QuantizedLinear.use_kernel`, chosen after loading
+                                by `use_quantized_kernel`)
   a name the original objects   the class that has it (`CoreAttention` holds the attention's); ChatGLM2-only
   had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads shared/surface
 """
@@ -1244,6 +1246,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
         self.rotary_channels = config.kv_channels // 2
+        self.head_dim = config.kv_channels
         rope_ratio = getattr(config, "rope_ratio", 1)  # chatglm3-6b's original config has no rope_ratio
         self.rope_ratio = rope_ratio
         divides_positions = rotary_reading(config) == "positions"
@@ -1266,16 +1269,20 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = self.inv_freq.clone()
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for `position_ids` [batch, seq]: [batch, 1, seq, rotary_channels], repeated per pair."""
+        """cos and sin for `position_ids` [batch, seq] over a head's whole width: [batch, 1, seq, head_dim]. On the
+        turning channels each value repeats for its pair, sin with the pair's signs (-, +); the other channels pass
+        (cos 1, sin 0). Made once per forward, so that each layer turns a tensor in four operators (apply_rotary)."""
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=position_ids.device)
         theta = 1.0 / (self.base ** (steps / self.rotary_channels))
         positions = position_ids[..., None].float()
         if self.position_divisor != 1.0:  # position interpolation (chatglm2-6b-32k)
             positions = positions / self.position_divisor
         angles = positions * theta
-        cos = angles.cos().repeat_interleave(2, dim=-1)[:, None]
-        sin = angles.sin().repeat_interleave(2, dim=-1)[:, None]
-        return cos.to(dtype), sin.to(dtype)
+        sin = angles.sin()
+        passing = self.head_dim - self.rotary_channels
+        cos = F.pad(angles.cos().repeat_interleave(2, dim=-1), (0, passing), value=1.0)
+        sin = F.pad(torch.stack((-sin, sin), dim=-1).flatten(-2), (0, passing))
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
     # The original's names: `dim` (rotated channels per head), `original_impl`, and its table of positions 0 ..
     # seq_len - 1 as `forward_impl` computes it ([seq_len, n_elem / 2, (cos, sin)], half precision kept).
@@ -1303,12 +1310,9 @@ def own_loaded_inv_freq(module, state_dict, prefix, *args):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Turn the pairs (x0, x1) of the first `rotary_channels` channels of x [batch, heads, seq, head_dim]."""
-    channels = cos.shape[-1]
-    x_rot, x_pass = x[..., :channels], x[..., channels:]
-    pairs = x_rot.unflatten(-1, (-1, 2))
-    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    return torch.cat((x_rot * cos + turned * sin, x_pass), dim=-1)
+    """Turn the pairs (x0, x1) of x [batch, heads, seq, head_dim] on RotaryEmbedding's tables: (x0 cos - x1 sin,
+    x1 cos + x0 sin), the original's products and sums (the sign rides on sin), the passing channels as they are."""
+    return x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin
 
 
 # ======================================================================================================================
@@ -1662,9 +1666,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
-        return (self.weight * (hidden_states * torch.rsqrt(variance + self.eps))).to(input_dtype)
+        # The original's arithmetic: normalised in fp32, times the weight in fp32, rounded once to the input's dtype.
+        # torch's rms_norm does it in one call where both are fp32; a half type keeps the fp32 product apart.
+        if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.eps)
+        normalized = F.rms_norm(hidden_states.float(), self.weight.shape, None, self.eps)
+        return (self.weight * normalized).to(hidden_states.dtype)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -1715,12 +1722,17 @@ class GLMBlock(GradientCheckpointingLayer):
         residual = normed if self.apply_residual_connection_post_layernorm else hidden_states
         # The attention output is rebound to the sum at once, not kept alive through the MLP (peak memory).
         hidden_states, weights = self.self_attention(normed, inputs, past_key_values)
-        hidden_states = residual + F.dropout(hidden_states, p=self.hidden_dropout, training=self.training)
+        hidden_states = residual + self.dropout(hidden_states)
 
         normed = self.norm(self.post_attention_layernorm, hidden_states)
         residual = normed if self.apply_residual_connection_post_layernorm else hidden_states
-        hidden_states = residual + F.dropout(self.mlp(normed), p=self.hidden_dropout, training=self.training)
+        hidden_states = residual + self.dropout(self.mlp(normed))
         return hidden_states, weights
+
+    def dropout(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0:  # no operator at all in inference (one less per sublayer)
+            return hidden_states
+        return F.dropout(hidden_states, p=self.hidden_dropout, training=True)
 
 
 class GLMTransformer(nn.Module):
@@ -1817,6 +1829,8 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             # 5.x leaves a checkpoint's two stored matrices untied (with a warning) even when the config asks for
             # tying; 4.x ties them, the input embedding winning. from_pretrained(..., tie_word_embeddings=True) ties.
             model.tie_weights()
+        if weight_storage(model.config) != "float":
+            model.use_quantized_kernel("auto")
         return (model, info) if with_info else model
 
     if _HAS_ACTIVATION_CHECKPOINTING:
@@ -1878,6 +1892,25 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             found, target = find_companion(name, self.config), Path(save_directory) / f"{name}.py"
             if found is not None and not (target.exists() and target.samefile(found)):
                 shutil.copyfile(found, target)
+
+    def use_quantized_kernel(self, kernel: str = "packed") -> int:
+        """A pre-quantized (int4) model's matrix kernel (quantization_chatglm.py): "packed", torch's int4 kernel on
+        bf16 activations for decode (the default in bf16/fp16 models, where torch has it for the device; an opt-in in
+        fp32, README: its deviation), "exact" (the original's arithmetic), "auto" (what from_pretrained chose). Call
+        it again after moving the model to another device. Returns how many layers run packed."""
+        if weight_storage(self.config) == "float":
+            raise ValueError(
+                f"use_quantized_kernel({kernel!r}): this model's weights are not pre-quantized (quantization_bit="
+                f"{self.config.quantization_bit}); it applies to checkpoints such as chatglm2-6b-int4.")
+        packed = import_companion("quantization_chatglm", self.config).use_kernel(self, kernel, self.dtype)
+        if kernel == "packed" and not packed:
+            raise ValueError(
+                "use_quantized_kernel('packed'): " + (
+                    "the packed kernel is torch's int4 one; quantization_bit=8 runs 'exact'."
+                    if self.config.quantization_bit == 8 else
+                    f"torch {torch.__version__} has no int4 kernel for {self.device.type} that takes this model's "
+                    "int4 layers: use 'exact', or a newer torch."))
+        return packed
 
     def tensor_parallel(self, mesh_or_size=None):
         """Shard this model in place over a 1-D DeviceMesh, or over `mesh_or_size` ranks of torch.distributed (all of

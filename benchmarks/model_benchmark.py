@@ -17,9 +17,10 @@ noise a ratio is to be read against.
 Sections: KV bytes the cache keeps alive (every storage counted once, against the theory); prefill time and peak
 tensor memory; single-sequence decode at several contexts and how its cost grows with the context; batched decode;
 generate() with dynamic and static caches (both models must produce the same tokens; the first call with a static
-cache, in which transformers compiles on CUDA, apart); the operators and kernels of one batched decode step; int4: the
-fork model stored as chatglm2-6b-int4 stores its weights against the same weights dequantized (in that section the
-"native" column is the dequantized fork: bytes held and decode time); load and
+cache, in which transformers compiles on CUDA, apart); the operators and kernels of one batched decode step, and of one
+layer in a bs=1 step; int4: the fork model stored as chatglm2-6b-int4 stores its weights, on each of its kernels,
+against the same weights dequantized in the device's fastest float dtype (in that section the "native" column is that
+twin: bytes held, decode and prefill time, and the previous int4 forward as a baseline); load and
 long-prefill memory of fresh processes (RSS); decode against the memory bandwidth: weights + KV bytes read per step
 over the step time, against a STREAM-like copy measured in the same run, against the model's own matrix-vector
 products timed alone (what torch's kernels reach on these weights), and torch.compile'd decode, also replayed as CUDA
@@ -67,6 +68,9 @@ PRESETS = {
     "small": dict(num_layers=8, hidden_size=1024, num_attention_heads=16, kv_channels=64, multi_query_group_num=2,
                   ffn_hidden_size=2816, padded_vocab_size=32768, seq_length=8192),
     "glm-4-9b": {},  # config.json as it is (glm-4-9b-chat)
+    # chatglm2-6b's sizes (6.24B) in GLM-4's config, for the int4 rows (chatglm2-6b-int4 stores these layers in 4 bits)
+    "chatglm2-6b-int4": dict(num_layers=28, hidden_size=4096, num_attention_heads=32, kv_channels=128,
+                             multi_query_group_num=2, ffn_hidden_size=13696, padded_vocab_size=65024, seq_length=32768),
     "tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, kv_channels=32, multi_query_group_num=2,
                  ffn_hidden_size=256, padded_vocab_size=1024, seq_length=1024),  # --quick
 }
@@ -431,25 +435,103 @@ def int4_pair(model) -> dict:
             with torch.no_grad():
                 dequantized.transformer.encoder.get_submodule(name).weight.copy_(
                     layer.dequantized_weight(module.weight.dtype))
+    quantized.config.quantization_bit = 4
     return {"fork": quantized, "native": dequantized}
+
+
+def dequantize_every_step(layer, x):
+    """The int4 forward before issue 38: the whole [out, in] float weight rebuilt from the codes at every call."""
+    bias = None if layer.bias is None else layer.bias.to(x.dtype)
+    return torch.nn.functional.linear(x, layer.dequantized_weight(x.dtype), bias)
+
+
+def int4_variants(model, device: str) -> dict:
+    """The int4 model's kernels and their twin, the same weights dequantized in the device's fastest float dtype
+    (fp32 on a CPU without AMX, fp16 on a GPU): "today" (the forward before issue 38, in the twin's dtype), "exact"
+    (the default in fp32), "packed bf16" (the default of a bf16 model) and on a CPU "packed fp32" (the fp32 opt-in)."""
+    import copy
+    import types
+
+    pair = int4_pair(model)
+    fast = torch.float16 if device.startswith("cuda") else torch.float32
+    quantized = pair["fork"]
+    variants = {"twin": pair["native"].to(fast)}
+    today = copy.deepcopy(quantized).to(fast)
+    for module in today.modules():
+        if hasattr(module, "weight_scale"):
+            module.forward = types.MethodType(dequantize_every_step, module)
+    variants["today"] = today
+    variants["exact"] = copy.deepcopy(quantized).to(fast)
+    variants["exact"].use_quantized_kernel("exact")
+    kernels = [("packed bf16", torch.bfloat16)] + ([("packed fp32", torch.float32)] if device == "cpu" else [])
+    for name, dtype in kernels:
+        variant = copy.deepcopy(quantized).to(dtype)
+        if variant.use_quantized_kernel("packed"):  # ValueError where torch has no int4 kernel for the device
+            variants[name] = variant
+    del pair, quantized
+    return variants
 
 
 def held_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
+def int4_held_bytes(model) -> int:
+    """Parameters, buffers and the packed copies of the int4 layers (plain attributes, which neither counts)."""
+    packed = [t for m in model.modules() if getattr(m, "packed", None) is not None
+              for t in (m.packed.weight, m.packed.scales_and_zeros)]
+    return held_bytes(model) + sum(t.numel() * t.element_size() for t in packed)
+
+
 def int4(results, models, args, clock):
-    """A pre-quantized int4 model (chatglm2-6b-int4's storage) against the same weights dequantized, in the compute
-    dtype: the bytes each holds, and decode speed (the int4 model dequantizes each layer's weight at every step)."""
-    pair = int4_pair(models["fork"])
-    note = "fork: int4 codes + fp16 scales; native column: the same weights dequantized"
-    results.add("int4", "int4 model: parameters + buffers held", "MiB",
-                {name: [held_bytes(model) / MIB] for name, model in pair.items()}, note=note)
-    for context in args.contexts[:1]:
-        times = decode_step_times(pair, args, clock, "dynamic", 1, context)
-        results.add("int4", f"int4 decode bs=1, dynamic cache, context {context}", "ms/step",
-                    {name: [t * 1e3 for t in values] for name, values in times.items()}, note=note)
-    del pair
+    """A pre-quantized int4 model (chatglm2-6b-int4's storage) on each kernel against its float twin (int4_variants),
+    every ratio in one run: bytes held against the twin in fp16 (target <= 0.35x: ratio >= 2.86), decode bs=1 (target
+    1.5x as fast as the twin for the packed kernel; exact >= 3x today's), prefill (target <= 1.5x the twin's time:
+    ratio >= 0.67)."""
+    try:
+        variants = int4_variants(models["fork"], args.device)
+    except ValueError as error:  # no int4 kernel in this torch for the device
+        print(f"  skipped: {error}", flush=True)
+        return
+    twin = variants["twin"]
+    fp16_bytes = sum(t.numel() * (2 if t.is_floating_point() else t.element_size())
+                     for t in [*twin.parameters(), *twin.buffers()])
+    for name, model in variants.items():
+        if name.startswith("packed"):
+            results.add("int4", f"int4 {name}: held (parameters, buffers, packed copy) vs the same weights in fp16",
+                        "MiB", {"fork": [int4_held_bytes(model) / MIB], "native": [fp16_bytes / MIB]},
+                        note="target ratio >= 2.86 (0.35x of fp16)")
+    context = args.contexts[0]
+    times = decode_step_times(variants, args, clock, "dynamic", 1, context)
+    ms = {name: [t * 1e3 for t in values] for name, values in times.items()}
+    for name in variants:
+        if name != "twin":
+            results.add("int4", f"int4 decode bs=1 {name} vs dequantized twin, context {context}", "ms/step",
+                        {"fork": ms[name], "native": ms["twin"]}, note=f"twin: {twin.dtype}")
+    results.add("int4", f"int4 decode bs=1 exact vs today's (dequantize every step), context {context}", "ms/step",
+                {"fork": ms["exact"], "native": ms["today"]}, note="target ratio >= 3")
+    ids = random_ids(1, args.prefill_timed, 2, args.device)
+
+    def prefill_ms(name, model):
+        with torch.no_grad():
+            return clock(lambda: model(input_ids=ids, use_cache=True, **last_logit_kwargs(model))) * 1e3
+
+    for model in variants.values():
+        prefill_ms(None, model)  # warm-up
+    prefill_times = interleaved(args.rounds, {name: variants[name] for name in variants if name != "today"},
+                                prefill_ms)
+    for name in prefill_times:
+        if name != "twin":
+            results.add("int4", f"int4 prefill {args.prefill_timed} tokens {name} vs dequantized twin", "ms",
+                        {"fork": prefill_times[name], "native": prefill_times["twin"]},
+                        note="target ratio >= 0.67 (1.5x the twin's time)")
+    if args.device.startswith("cuda") and "compiled" in args.sections and "packed bf16" in variants:
+        pair = {"fork": variants["packed bf16"], "native": twin}
+        moved = {name: decode_weight_bytes(model) + kv_theory(model, 1, context) for name, model in pair.items()}
+        bandwidth, _ = memory_bandwidth(args.device, clock, max(3, args.rounds))
+        compiled_decode(results, pair, moved, args, clock, "int4 packed bf16 vs fp16 twin", bandwidth,
+                        "reduce-overhead")
+    del variants, twin
     gc.collect()
 
 
@@ -692,6 +774,78 @@ def step_profile(results, models, args, clock):
                     print(f"    {key[:70]:<70} fork {fork[key]:>5} native {native[key]:>5}", flush=True)
 
 
+# Operators that only describe other memory (or return their input unchanged): not counted as work.
+VIEW_OPERATORS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "permute", "slice", "select",
+                  "split", "split_with_sizes", "chunk", "unflatten", "flatten", "expand", "expand_as", "unsqueeze",
+                  "squeeze", "as_strided", "t", "alias", "detach", "narrow", "unbind", "view_as", "lift_fresh",
+                  "contiguous", "to", "type_as", "resolve_conj", "resolve_neg"}
+COPYING_WHEN_NEEDED = {"reshape", "flatten", "contiguous", "to", "type_as"}  # counted where they do copy
+
+
+def layer_operators(results, models, args, clock):
+    """Operators of one decoder layer in a bs=1 decode step (dynamic cache, context --batch-context): the torch
+    operators called by the layer itself, not those inside another operator, views and no-op casts left out; on CUDA
+    also the kernels it launches. A launch-bound GPU step costs in proportion (targets: <= 24 operators on a CPU,
+    <= 25 kernels)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    tokens = random_ids(1, 2, 6, args.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    counts = {}
+    for name, model in models.items():
+        layer = model.transformer.encoder.layers[0] if hasattr(model, "transformer") else model.model.layers[0]
+        generator = torch.Generator(device=args.device).manual_seed(4)
+        cache = filled_cache(model, "dynamic", 1, args.batch_context, args.batch_context + 2, generator)
+        scope = record_function("layer")
+
+        def enter(*_):
+            scope.__enter__()
+
+        def leave(*_):
+            scope.__exit__(None, None, None)
+
+        hooks = [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+        try:
+            with torch.no_grad():
+                model(input_ids=tokens[:, :1], **kv_cache.argument(cache), use_cache=True)
+                with profile(activities=activities) as prof:
+                    model(input_ids=tokens[:, 1:], **kv_cache.argument(cache), use_cache=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        counts[name] = count_layer_events(prof.events())
+        del cache
+    results.add("profile", "operators per layer, bs=1 decode step (views and no-op casts left out)", "count",
+                {name: [c[0]] for name, c in counts.items()}, note="target <= 24 on a CPU")
+    if args.device.startswith("cuda"):
+        results.add("profile", "CUDA kernels per layer, bs=1 decode step", "count",
+                    {name: [c[1]] for name, c in counts.items()}, note="target <= 25")
+
+
+def count_layer_events(events) -> tuple:
+    """(operators, kernel launches) under the profiler scope "layer"."""
+    def inside_layer(event):
+        while event is not None:
+            if event.name == "layer":
+                return True
+            event = event.cpu_parent
+        return False
+
+    operators = launches = 0
+    for event in events:
+        if event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") and inside_layer(event):
+            launches += 1
+        if not event.name.startswith("aten::") or not inside_layer(event.cpu_parent):
+            continue
+        if event.cpu_parent.name.startswith("aten::"):  # inside another operator
+            continue
+        name = event.name[len("aten::"):]
+        copies = name in COPYING_WHEN_NEEDED and any(not c.name[len("aten::"):] in VIEW_OPERATORS
+                                                     for c in event.cpu_children)
+        operators += name not in VIEW_OPERATORS or copies
+    return operators, launches
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -726,7 +880,8 @@ def markdown(results, args, header) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="a ChatGLM2/3 or GLM-4 checkpoint folder (default: random weights)")
-    parser.add_argument("--preset", choices=["small", "glm-4-9b"], default="small", help="size of the random model")
+    parser.add_argument("--preset", choices=["small", "glm-4-9b", "chatglm2-6b-int4"], default="small",
+                        help="size of the random model (chatglm2-6b-int4: with --sections int4 --in-memory)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--checkpoint-dtype", default="float32", help="dtype the random checkpoint is saved in")
@@ -746,9 +901,10 @@ def parse_args(argv=None):
     parser.add_argument("--gen-new", type=int, default=64)
     parser.add_argument("--limit-dtypes", help="dtypes of the bandwidth lines (default: float32,bfloat16 on CPU)")
     parser.add_argument("--sections", default="kv,prefill,decode,generate,profile,int4,memory,bandwidth,compiled",
-                        help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth); profile: "
-                             "operators and kernels of one batched decode step; int4: a pre-quantized int4 model "
-                             "against the same weights dequantized (bytes held, decode)")
+                        help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth; with int4 on "
+                             "CUDA the int4 model's CUDA-graph decode); profile: operators and kernels of one batched "
+                             "decode step and per layer; int4: a pre-quantized int4 model on each kernel against the "
+                             "same weights dequantized (bytes held, decode, prefill)")
     parser.add_argument("--in-memory", action="store_true",
                         help="build both models in device memory from the same random weights, writing no checkpoint "
                              "(no fresh-process memory lines; the bandwidth lines in --dtype only)")
@@ -803,7 +959,7 @@ def main(argv=None) -> int:
           flush=True)
     results = Results()
     for section, run in (("kv", kv_memory), ("prefill", prefill), ("decode", decode), ("generate", generate),
-                         ("profile", step_profile), ("int4", int4)):
+                         ("profile", step_profile), ("profile", layer_operators), ("int4", int4)):
         if section in args.sections:
             print(f"{section}:", flush=True)
             run(results, models, args) if section == "kv" else run(results, models, args, clock)

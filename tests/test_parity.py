@@ -180,3 +180,48 @@ def test_fp32_residual_connection_keeps_the_residual_stream_fp32_in_bf16(tiny_mo
             assert {h.dtype for h in out.hidden_states[1:-1]} == {torch.float32 if flag else torch.bfloat16}
             errors[flag] = (out.logits.float() - reference).abs().mean().item()
     assert errors[True] < errors[False]
+
+
+# ---- the pieces a decode step runs in fewer operators (issue 38), against the original's formulas in every dtype ----
+
+def original_rms_norm(weight, x, eps):
+    """chatglm2/3 and GLM-4's RMSNorm: variance in fp32, x times its rsqrt, times the weight, cast back once."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return (weight * (x * torch.rsqrt(variance + eps))).to(x.dtype)
+
+
+def original_rotary(x, positions, rotary_dim, base=10000.0):
+    """The original's apply_rotary_pos_emb on x [batch, heads, seq, head_dim]: the first rotary_dim channels as
+    interleaved pairs, its cos/sin cache cast to x's dtype, products and sums in x's dtype."""
+    theta = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    angles = positions.float()[:, None] * theta
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    x0, x1 = x_rot[..., 0::2], x_rot[..., 1::2]
+    turned = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    return torch.cat((turned, x_pass), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_and_rotary_give_the_originals_numbers(tiny_model, dtype):
+    import sys
+
+    model = tiny_model("glm4").to(dtype)
+    modeling = sys.modules[type(model).__module__]
+    generator = torch.Generator().manual_seed(3)
+    norm = model.transformer.encoder.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(norm.weight.shape, generator=generator) + 0.5)
+        x = (torch.randn(2, 7, norm.weight.shape[0], generator=generator) * 3).to(dtype)
+        expected = original_rms_norm(norm.weight, x, norm.eps)
+        # fp32: torch's rms_norm sums in its own order; a half type: at most one rounding step apart
+        tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else {}
+        torch.testing.assert_close(norm(x), expected, **tolerance)
+
+        rotary = model.transformer.rotary_pos_emb
+        head_dim = model.config.kv_channels
+        positions = torch.tensor([[0, 1, 5, 17, 300, 4095]])
+        cos, sin = rotary(positions, dtype)
+        q = torch.randn(1, 3, positions.shape[1], head_dim, generator=generator).to(dtype)
+        expected = original_rotary(q, positions[0], head_dim // 2, rotary.base)  # GLM-4: 10000 * rope_ratio
+        assert torch.equal(modeling.apply_rotary(q, cos, sin), expected)

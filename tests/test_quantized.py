@@ -115,6 +115,139 @@ def test_a_default_load_runs(int4):
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
 
 
+# ---- the kernels: packed (torch's int4 kernel) and exact (the original's arithmetic) ----
+
+def companion(model):
+    import sys
+    layer = model.transformer.encoder.layers[0].mlp.dense_h_to_4h
+    return sys.modules[type(layer).__module__]
+
+
+def int4_kernel_or_skip(model):
+    if companion(model).int4_kernel(torch.device("cpu")) is None:
+        pytest.skip(f"torch {torch.__version__} has no int4 kernel for the CPU: the exact path runs (tested above)")
+
+
+def quantized_layers(model):
+    return [module for module in model.modules() if hasattr(module, "weight_scale")]
+
+
+def test_a_float32_load_runs_the_exact_path(int4_model):
+    assert all(layer.kernel == "auto" and layer.packed is None for layer in quantized_layers(int4_model))
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_the_exact_path_block_by_block_equals_the_dequantized_weights_product(int4, monkeypatch, dtype, tolerance):
+    """The exact path turns a block of rows of codes into floats at a time; several blocks give the product of the
+    whole dequantized weight (the original's arithmetic), within fp32's or bf16's rounding of the regrouped sums."""
+    model = load(int4.folder, dtype)
+    generator = torch.Generator().manual_seed(0)
+    for layer in quantized_layers(model.transformer.encoder.layers[0]):
+        monkeypatch.setattr(companion(model), "EXACT_BLOCK", 48 * layer.weight.shape[1])  # 48 rows: a short last one
+        x = torch.randn(3, 5, layer.in_features, generator=generator).to(dtype)
+        expected = torch.nn.functional.linear(x.float(), layer.dequantized_weight(torch.float32),
+                                              None if layer.bias is None else layer.bias.float())
+        torch.testing.assert_close(layer.exact_forward(x, layer.bias).float(), expected,
+                                   atol=tolerance * expected.abs().max().item(), rtol=0)
+
+
+def test_the_packed_kernel_gives_the_exact_paths_logits_within_bf16s_rounding(int4):
+    """One decode step of the packed kernel (the default in bf16) against the same model on the exact path, and the
+    fp32 opt-in against the fp32 exact path: within 2% of the largest logit (bf16 activations: ~8 bits of mantissa)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load(int4.folder, dtype)
+        int4_kernel_or_skip(model)
+        if dtype == torch.float32:
+            assert model.use_quantized_kernel("packed") == len(quantized_layers(model))
+        assert all(layer.packed is not None for layer in quantized_layers(model))
+        ids = inputs(int4.expected)[0]
+        with torch.no_grad():
+            cache = model(ids[:, :-1], use_cache=True).past_key_values  # the prompt (many rows) runs exact
+            packed = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits.float()
+            model.use_quantized_kernel("exact")
+            exact = model(ids).logits[:, -1:].float()
+        scale = exact.abs().max().item()
+        torch.testing.assert_close(packed, exact, atol=0.02 * scale, rtol=0)
+        assert not torch.equal(packed, exact)  # the packed kernel did run
+
+
+def test_exact_again_after_packed_gives_the_original_logits(int4):
+    model = load(int4.folder)
+    int4_kernel_or_skip(model)
+    model.use_quantized_kernel("packed")
+    model.use_quantized_kernel("exact")
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs(int4.expected)[1]).logits[0], int4.expected["logits_1"],
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_the_packed_kernel_runs_for_few_rows_only_and_never_under_autograd(int4):
+    model = load(int4.folder, torch.bfloat16)
+    int4_kernel_or_skip(model)
+    layer = model.transformer.encoder.layers[0].mlp.dense_4h_to_h
+    generator = torch.Generator().manual_seed(0)
+    rows = companion(model).PACKED_MAX_ROWS
+    few, many = (torch.randn(1, n, layer.in_features, generator=generator, dtype=torch.bfloat16)
+                 for n in (rows, rows + 1))
+    with torch.no_grad():
+        assert not torch.equal(layer(few), layer.exact_forward(few, None))
+        assert torch.equal(layer(many), layer.exact_forward(many, None))
+    x = few.clone().requires_grad_(True)
+    layer(x).float().square().sum().backward()  # torch's int4 kernels have no backward: the exact path runs
+    reference = few.clone().requires_grad_(True)
+    layer.exact_forward(reference, None).float().square().sum().backward()
+    assert torch.equal(x.grad, reference.grad)
+
+
+def test_without_an_int4_kernel_the_exact_path_runs_and_packed_is_refused(int4, monkeypatch):
+    model = load(int4.folder, torch.bfloat16)
+    monkeypatch.setitem(companion(model)._KERNELS, "cpu", None)  # as on a torch without the kernel
+    assert model.use_quantized_kernel("auto") == 0
+    with torch.no_grad():
+        assert torch.isfinite(model(inputs(int4.expected)[0]).logits).all()
+    with pytest.raises(ValueError, match="use_quantized_kernel\\('packed'\\): torch .* no int4 kernel.*'exact'"):
+        model.use_quantized_kernel("packed")
+    with pytest.raises(ValueError, match="kernel='fast'.*'auto', 'exact', 'packed'"):
+        model.use_quantized_kernel("fast")
+
+
+def test_an_8_bit_model_runs_exact_and_refuses_packed(tmp_path, int4):
+    model = load(quantized_source(tmp_path, 8)[0], torch.bfloat16)
+    assert all(layer.packed is None for layer in quantized_layers(model))
+    with pytest.raises(ValueError, match="use_quantized_kernel\\('packed'\\): .*quantization_bit=8 runs 'exact'"):
+        model.use_quantized_kernel("packed")
+
+
+def test_use_quantized_kernel_on_a_float_model_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="not pre-quantized.*quantization_bit"):
+        tiny_model("chatglm3").use_quantized_kernel()
+
+
+def test_a_packed_model_saves_the_original_storage(int4, tmp_path):
+    model = load(int4.folder, torch.bfloat16)
+    original = torch.load(int4.folder / "pytorch_model.bin", weights_only=True)
+    assert sorted(model.state_dict()) == sorted(original)
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert sorted(saved) == sorted(original)
+    for name, tensor in original.items():  # (a bf16 load on 4.x rounds the fp16 scales to bf16: dtype only)
+        if tensor.dtype == torch.int8 or name.endswith("weight_scale"):
+            assert saved[name].dtype == tensor.dtype, name
+        if tensor.dtype == torch.int8:
+            assert torch.equal(saved[name], tensor), name
+
+
+def test_loading_new_codes_packs_them_again(int4):
+    model = load(int4.folder, torch.bfloat16)
+    int4_kernel_or_skip(model)
+    layers = model.transformer.encoder.layers
+    layer, other = layers[1].self_attention.dense, layers[0].self_attention.dense
+    x = torch.randn(1, layer.in_features, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.load_state_dict(other.state_dict())
+        assert layer.packed is not None and torch.equal(layer(x), other(x))
+
+
 # ---- memory and storage ----
 
 def test_weights_stay_quantized_in_memory(int4):
