@@ -435,8 +435,9 @@ def test_forward_impl_is_the_table_the_model_rotates_with(surface_objects, famil
     table = rotary.forward_impl(6, rotary.dim, torch.float32, torch.device("cpu"))
     cos, sin = rotary(torch.arange(6)[None], torch.float32)
     assert table.shape == (6, rotary.dim // 2, 2)
-    torch.testing.assert_close(table[..., 0], cos[0, 0, :, ::2])
-    torch.testing.assert_close(table[..., 1], sin[0, 0, :, ::2])
+    # forward()'s tables span the whole head: each angle repeats for its pair, sin signed (-, +) per pair
+    torch.testing.assert_close(table[..., 0], cos[0, 0, :, :rotary.dim:2])
+    torch.testing.assert_close(table[..., 1], sin[0, 0, :, 1:rotary.dim:2])
     assert rotary.forward_impl(6, rotary.dim, torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16
 
 
