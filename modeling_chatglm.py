@@ -1713,15 +1713,25 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """transformers' from_pretrained, with an explicit device_map checked before any weight is read. With
-        tp_plan="auto" (under torchrun), tp_size, device_mesh or distributed_config, the model is sharded by its own
-        tensor-parallel plan instead, on every supported transformers release (parallel_chatglm.py)."""
+        """transformers' from_pretrained, with an explicit device_map checked before any weight is read, and the
+        loaded weights checked for NaN and inf (`check_finite_weights=False` skips that). With tp_plan="auto" (under
+        torchrun), tp_size, device_mesh or distributed_config, the model is sharded by its own tensor-parallel plan
+        instead, on every supported transformers release (parallel_chatglm.py)."""
+        check_finite = kwargs.pop("check_finite_weights", True)
         if any(kwargs.get(name) is not None for name in ("tp_plan", "tp_size", "device_mesh", "distributed_config")):
             config = cls._config_for(pretrained_model_name_or_path, kwargs)
             parallel = import_companion("parallel_chatglm", config, checkpoint=str(pretrained_model_name_or_path))
             parallel.check_shardable(config)  # before torchrun's environment is asked for
+
+            def load_checked(*args, **load_kwargs):  # every rank checks the whole weights it read, before sharding
+                loaded = super(ChatGLMPreTrainedModel, cls).from_pretrained(*args, **load_kwargs)
+                if check_finite:
+                    check_finite_weights(loaded[0] if isinstance(loaded, tuple) else loaded,
+                                         pretrained_model_name_or_path)
+                return loaded
+
             return parallel.from_pretrained_tensor_parallel(
-                super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
+                load_checked, pretrained_model_name_or_path, *model_args, **kwargs
             )
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict):
@@ -1732,7 +1742,6 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             check_prefix_checkpoint(pretrained_model_name_or_path, cls._config_for(pretrained_model_name_or_path,
                                                                                    kwargs), kwargs)
         with_info = kwargs.pop("output_loading_info", False)
-        check_finite = kwargs.pop("check_finite_weights", True)
         checked = check_stored_dtypes(pretrained_model_name_or_path, kwargs,
                                       lambda: cls(cls._config_for(pretrained_model_name_or_path, kwargs)))
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,

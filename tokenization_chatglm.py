@@ -44,7 +44,8 @@ Token ids are the originals' wherever the originals were right. What differs, on
   raised IndexError), right padding, `return_attention_mask=False`.
 * GLM-4 encodes whitespace runs of any length (tiktoken's regex engine gives up on about a million blanks).
 * A missing or damaged `tokenizer.model` raises an error naming the file (and, for GLM-4's text file, the line);
-  a file that reads well but differs from the released one logs a warning. Text that is not a `str` raises TypeError.
+  a file that reads well but differs from the released one logs a warning. Text that is not a `str` raises TypeError;
+  text holding a surrogate code point (no UTF-8 bytes) raises ValueError naming the argument and the position.
 
 Sections, in order: transformers compatibility; helpers shared by both tokenizers; shared tokenizer logic (one mixin
 per concern, combined in `_GLMTokenizerBase`); GLM-4V images; GLM-4; ChatGLM3 (with ChatGLM2's form).

@@ -24,7 +24,8 @@ long-prefill memory of fresh processes (RSS); decode against the memory bandwidt
 over the step time, against a STREAM-like copy measured in the same run, against the model's own matrix-vector
 products timed alone (what torch's kernels reach on these weights), and torch.compile'd decode, also replayed as CUDA
 graphs. Decode steps run on caches filled with random keys and values to the wanted context (their values do not
-change the work). --json writes every number; a Markdown table ends the output.
+change the work). --json writes every number; a Markdown table ends the output. Not in the default set: `weights`,
+the NaN/inf check from_pretrained runs over every floating weight, timed against the load it follows in the same run.
 transformers < 4.46 has no GlmForCausalLM: the fork's numbers are printed alone.
 """
 import argparse
@@ -453,6 +454,30 @@ def int4(results, models, args, clock):
     gc.collect()
 
 
+def weight_check(results, models, args, clock, fork_folder=None):
+    """The cost of from_pretrained's NaN/inf check of every floating weight (`check_finite_weights`), against the
+    load it follows in the same run: from_pretrained of the fork's checkpoint with the check off (the median of a few
+    loads), or with --in-memory the build of the model (no checkpoint is read)."""
+    model = models["fork"]
+    check = sys.modules[type(model).__module__].check_finite_weights
+    rounds = max(args.rounds // 2, 1)
+    if fork_folder is None:
+        load_seconds, what = args.build_seconds, "building the model in memory"
+    else:
+        kwargs = dict(dtype_kwarg(getattr(torch, args.dtype)), attn_implementation="sdpa", check_finite_weights=False)
+        if args.device != "cpu":
+            kwargs["device_map"] = args.device
+        load_seconds = statistics.median(
+            clock(lambda: transformers.AutoModelForCausalLM.from_pretrained(fork_folder, trust_remote_code=True,
+                                                                            **kwargs))
+            for _ in range(rounds))
+        what = "from_pretrained of the checkpoint"
+    times = [clock(lambda: check(model, "benchmark")) for _ in range(rounds)]
+    share = statistics.median(times) / load_seconds
+    results.add("weights", "NaN/inf weight check after loading", "ms", {"fork": [t * 1e3 for t in times]},
+                note=f"{share:.1%} of {what} ({load_seconds:.2f} s)", share_of_load=share, load_seconds=load_seconds)
+
+
 def generate(results, models, args, clock):
     ids = random_ids(1, args.gen_prompt, 6, args.device)
     kwargs = dict(max_new_tokens=args.gen_new, min_new_tokens=args.gen_new, do_sample=False, eos_token_id=None,
@@ -786,7 +811,8 @@ def main(argv=None) -> int:
             raise SystemExit("--in-memory builds random weights: it does not take --model")
         started = time.perf_counter()
         models = build_in_memory(args.preset, dtype, args.device)
-        header = f"random {args.preset} model, built in memory in {time.perf_counter() - started:.1f} s"
+        args.build_seconds = time.perf_counter() - started
+        header = f"random {args.preset} model, built in memory in {args.build_seconds:.1f} s"
     else:
         if args.model is not None:
             fork_folder, native_folder = link_checkpoint(args.model, workdir)
@@ -807,6 +833,9 @@ def main(argv=None) -> int:
         if section in args.sections:
             print(f"{section}:", flush=True)
             run(results, models, args) if section == "kv" else run(results, models, args, clock)
+    if "weights" in args.sections:
+        print("weights:", flush=True)
+        weight_check(results, models, args, clock, folders and folders["fork"])
     if folders is not None:
         del models
         gc.collect()

@@ -692,6 +692,16 @@ def test_the_check_can_be_switched_off(tiny_model, tmp_path):
         assert torch.isnan(loaded(input_ids=torch.tensor([[5, 6, 7]])).logits).all()  # what the check prevents
 
 
+def test_the_tensor_parallel_path_checks_the_weights_and_takes_the_switch(tiny_model, tmp_path):
+    """Each rank reads the whole checkpoint before keeping its shards: the check runs there, alike on every rank
+    (tp_size=1 takes that path in one process)."""
+    model = tiny_model("glm4")
+    folder = write_weights(model, tmp_path / "checkpoint", {QKV: with_values(model.state_dict()[QKV], [-1e39])}).parent
+    with pytest.raises(ValueError, match=rf"the weight {re.escape(QKV)} holds 1 NaN or inf value "):
+        load_causal_lm(folder, tp_size=1)
+    assert torch.isinf(load_causal_lm(folder, tp_size=1, check_finite_weights=False).state_dict()[QKV]).any()
+
+
 def test_finite_weights_whose_sum_overflows_load(tiny_model, tmp_path):
     """float16 weights of large magnitude sum past float16's range (65504): the check counts the values themselves
     before refusing anything."""
