@@ -24,8 +24,8 @@ long-prefill memory of fresh processes (RSS); decode against the memory bandwidt
 over the step time, against a STREAM-like copy measured in the same run, against the model's own matrix-vector
 products timed alone (what torch's kernels reach on these weights), and torch.compile'd decode, also replayed as CUDA
 graphs. Decode steps run on caches filled with random keys and values to the wanted context (their values do not
-change the work). --json writes every number; a Markdown table ends the output. Not in the default set: `weights`,
-the NaN/inf check from_pretrained runs over every floating weight, timed against the load it follows in the same run.
+change the work). weights: the NaN/inf check from_pretrained runs over every floating weight, timed against the
+load it follows in the same run. --json writes every number; a Markdown table ends the output.
 transformers < 4.46 has no GlmForCausalLM: the fork's numbers are printed alone.
 """
 import argparse
@@ -462,7 +462,7 @@ def weight_check(results, models, args, clock, fork_folder=None):
     check = sys.modules[type(model).__module__].check_finite_weights
     rounds = max(args.rounds // 2, 1)
     if fork_folder is None:
-        load_seconds, what = args.build_seconds, "building the model in memory"
+        load_seconds, what = args.build_seconds, "building the models in memory"
     else:
         kwargs = dict(dtype_kwarg(getattr(torch, args.dtype)), attn_implementation="sdpa", check_finite_weights=False)
         if args.device != "cpu":
@@ -770,10 +770,12 @@ def parse_args(argv=None):
     parser.add_argument("--gen-prompt", type=int, default=32)
     parser.add_argument("--gen-new", type=int, default=64)
     parser.add_argument("--limit-dtypes", help="dtypes of the bandwidth lines (default: float32,bfloat16 on CPU)")
-    parser.add_argument("--sections", default="kv,prefill,decode,generate,profile,int4,memory,bandwidth,compiled",
+    parser.add_argument("--sections", default="kv,prefill,decode,generate,profile,int4,weights,memory,bandwidth,"
+                                              "compiled",
                         help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth); profile: "
                              "operators and kernels of one batched decode step; int4: a pre-quantized int4 model "
-                             "against the same weights dequantized (bytes held, decode)")
+                             "against the same weights dequantized (bytes held, decode); weights: the NaN/inf "
+                             "weight check against the load")
     parser.add_argument("--in-memory", action="store_true",
                         help="build both models in device memory from the same random weights, writing no checkpoint "
                              "(no fresh-process memory lines; the bandwidth lines in --dtype only)")
