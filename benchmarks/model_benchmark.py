@@ -456,23 +456,28 @@ def int4(results, models, args, clock):
 
 def weight_check(results, models, args, clock, fork_folder=None):
     """The cost of from_pretrained's NaN/inf check of every floating weight (`check_finite_weights`), against the
-    load it follows in the same run: from_pretrained of the fork's checkpoint with the check off (the median of a few
-    loads), or with --in-memory the build of the model (no checkpoint is read)."""
-    model = models["fork"]
-    check = sys.modules[type(model).__module__].check_finite_weights
+    load it follows in the same run: from_pretrained of the fork's checkpoint with the check off, then the check on
+    the model just loaded (a checkpoint loaded in its own dtype stays memory-mapped on 5.x: the check is then the
+    first read of its pages), medians of a few rounds; or with --in-memory, the check against the build of the
+    models (no checkpoint is read)."""
+    check = sys.modules[type(models["fork"]).__module__].check_finite_weights
     rounds = max(args.rounds // 2, 1)
     if fork_folder is None:
-        load_seconds, what = args.build_seconds, "building the models in memory"
+        loads, what = [args.build_seconds], "building the models in memory"
+        times = [clock(lambda: check(models["fork"], "benchmark")) for _ in range(rounds)]
     else:
         kwargs = dict(dtype_kwarg(getattr(torch, args.dtype)), attn_implementation="sdpa", check_finite_weights=False)
         if args.device != "cpu":
             kwargs["device_map"] = args.device
-        load_seconds = statistics.median(
-            clock(lambda: transformers.AutoModelForCausalLM.from_pretrained(fork_folder, trust_remote_code=True,
-                                                                            **kwargs))
-            for _ in range(rounds))
-        what = "from_pretrained of the checkpoint"
-    times = [clock(lambda: check(model, "benchmark")) for _ in range(rounds)]
+        loads, times, what = [], [], "from_pretrained of the checkpoint"
+        for _ in range(rounds):
+            loaded = []
+            loads.append(clock(lambda: loaded.append(
+                transformers.AutoModelForCausalLM.from_pretrained(fork_folder, trust_remote_code=True, **kwargs))))
+            times.append(clock(lambda: check(loaded[0], "benchmark")))
+            del loaded
+            gc.collect()
+    load_seconds = statistics.median(loads)
     share = statistics.median(times) / load_seconds
     results.add("weights", "NaN/inf weight check after loading", "ms", {"fork": [t * 1e3 for t in times]},
                 note=f"{share:.1%} of {what} ({load_seconds:.2f} s)", share_of_load=share, load_seconds=load_seconds)
