@@ -29,6 +29,9 @@ Where to change what (section: names):
   what this file reads of it    `rotary_reading` (RotaryEmbedding), `weight_storage` (quantization_bit)
   a new config field or check   Config, sizes and checks: `check_supported`, `complete_original_config`, and
                                 configuration_chatglm.py (its fields and validation)
+  checks of a loaded checkpoint Config, sizes and checks: `check_loaded_weights` (keys), `check_stored_dtypes`
+                                (integer storage, file damage), `check_finite_weights` (NaN, inf); what calls
+                                them: ChatGLMPreTrainedModel.from_pretrained
   P-tuning v2 prefixes          P-tuning v2 prefix: `enter_prefix` (the seam), `PrefixEncoder`
   GLM-4V images                 visual.py: `EVA2CLIPModel.splice` (the seam); here `vision_tower`, `enter_vision`
   a chat-template fix           tokenization_chatglm.py (this file only calls the tokenizer); chat() itself:

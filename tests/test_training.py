@@ -126,6 +126,29 @@ def test_labels_all_ignored_give_the_originals_nan_and_warn_once_with_the_cause(
     assert len(warned) == 1 and "-100" in warned[0] and "max_length" in warned[0] and "truncat" in warned[0], warned
 
 
+@pytest.mark.parametrize("targets", [("labels",), ("shift_labels",), ("labels", "shift_labels")])
+def test_a_training_forward_reads_one_value_of_its_targets(tiny_model, monkeypatch, targets):
+    """Reading a value waits for the device: the label-id check and the all-ignored check share one read (one more
+    than a forward without targets makes), and the loss itself is read only when no position has a target."""
+    model = tiny_model("glm4")
+    ids, labels = batch(25)
+    reads = []
+    for method in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            reads.append(_method)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    with torch.no_grad():
+        model(input_ids=ids)
+        without_targets = list(reads)
+        reads.clear()
+        model(input_ids=ids, **{name: labels for name in targets})
+    assert len(reads) == len(without_targets) + 1, (without_targets, reads)
+
+
 @pytest.mark.parametrize("case", ["one row ignored", "num_items_in_batch"])
 def test_labels_ignored_only_in_part_or_summed_give_a_number_and_no_warning(tiny_model, case):
     """A batch with a fully ignored row has a loss over the other rows; with the Trainer's num_items_in_batch an
