@@ -29,6 +29,9 @@ Where to change what (section: names):
   what this file reads of it    `rotary_reading` (RotaryEmbedding), `weight_storage` (quantization_bit)
   a new config field or check   Config, sizes and checks: `check_supported`, `complete_original_config`, and
                                 configuration_chatglm.py (its fields and validation)
+  checks of a loaded checkpoint Config, sizes and checks: `check_loaded_weights` (keys), `check_stored_dtypes`
+                                (integer storage, file damage), `check_finite_weights` (NaN, inf); what calls
+                                them: ChatGLMPreTrainedModel.from_pretrained
   P-tuning v2 prefixes          P-tuning v2 prefix: `enter_prefix` (the seam), `PrefixEncoder`
   GLM-4V images                 visual.py: `EVA2CLIPModel.splice` (the seam); here `vision_tower`, `enter_vision`
   a chat-template fix           tokenization_chatglm.py (this file only calls the tokenizer); chat() itself:
@@ -727,6 +730,43 @@ def check_loaded_weights(model: nn.Module, loading_info: dict, source):
         f"differently). Expected keys such as {sorted(missing)[:4]}; found {found[:4] or 'none of them'}"
         f"{' (and %d more)' % (len(found) - 4) if len(found) > 4 else ''}. Load it with the code it came with."
     )
+
+
+def held_float_values(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """The floating values of a weight that this process holds, or None: a meta tensor (offloaded by a device map,
+    or not loaded) holds none, integer storage (int8/int4 codes) is not floating, and a quantization library's tensor
+    subclass packs its own storage. A DTensor (tensor parallelism) is checked by its local shard."""
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    if tensor.is_meta or not tensor.is_floating_point() or type(tensor) not in (torch.Tensor, nn.Parameter):
+        return None
+    return tensor
+
+
+def summable(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float16) if values.element_size() == 1 else values  # float8 has no sum/isfinite kernel
+
+
+def check_finite_weights(model: nn.Module, source):
+    """Refuse weights holding NaN or inf (a bad merge or conversion, a damaged download): every logit would be NaN,
+    with no message. One sum per tensor and one host sync per device: a sum is finite unless a value is not (or
+    legitimate values overflow it, which the exact count then clears)."""
+    held = [(name, held_float_values(tensor)) for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
+    held = [(name, values) for name, values in held if values is not None]
+    sums = {}
+    for _, values in held:
+        sums.setdefault(values.device, []).append(summable(values).sum())
+    if all(bool(torch.stack(device_sums).isfinite().all()) for device_sums in sums.values()):
+        return
+    for name, values in held:
+        bad = values.numel() - int(torch.isfinite(summable(values)).sum())
+        if bad:
+            raise ValueError(
+                f"{source}: the weight {name} holds {bad} NaN or inf value{'s' if bad > 1 else ''} (of "
+                f"{values.numel()}); every output would be NaN. The checkpoint is damaged (an interrupted download, "
+                "a bad merge or conversion): download or convert it again. check_finite_weights=False skips this "
+                "check."
+            )
 
 
 # The weight files from_pretrained reads, in the order it looks for them (a sharded checkpoint's index names its shards).
@@ -1794,15 +1834,25 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """transformers' from_pretrained, with an explicit device_map checked before any weight is read. With
-        tp_plan="auto" (under torchrun), tp_size, device_mesh or distributed_config, the model is sharded by its own
-        tensor-parallel plan instead, on every supported transformers release (parallel_chatglm.py)."""
+        """transformers' from_pretrained, with an explicit device_map checked before any weight is read, and the
+        loaded weights checked for NaN and inf (`check_finite_weights=False` skips that). With tp_plan="auto" (under
+        torchrun), tp_size, device_mesh or distributed_config, the model is sharded by its own tensor-parallel plan
+        instead, on every supported transformers release (parallel_chatglm.py)."""
+        check_finite = kwargs.pop("check_finite_weights", True)
         if any(kwargs.get(name) is not None for name in ("tp_plan", "tp_size", "device_mesh", "distributed_config")):
             config = cls._config_for(pretrained_model_name_or_path, kwargs)
             parallel = import_companion("parallel_chatglm", config, checkpoint=str(pretrained_model_name_or_path))
             parallel.check_shardable(config)  # before torchrun's environment is asked for
+
+            def load_checked(*args, **load_kwargs):  # every rank checks the whole weights it read, before sharding
+                loaded = super(ChatGLMPreTrainedModel, cls).from_pretrained(*args, **load_kwargs)
+                if check_finite:
+                    check_finite_weights(loaded[0] if isinstance(loaded, tuple) else loaded,
+                                         pretrained_model_name_or_path)
+                return loaded
+
             return parallel.from_pretrained_tensor_parallel(
-                super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
+                load_checked, pretrained_model_name_or_path, *model_args, **kwargs
             )
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict):
@@ -1822,6 +1872,8 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         check_loaded_weights(model, info, pretrained_model_name_or_path)
         check_one_float_width(model)
         settle_loaded_prefix(model, info)
+        if check_finite:
+            check_finite_weights(model, pretrained_model_name_or_path)
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.own_loaded_buffer()
@@ -3052,10 +3104,8 @@ def as_tuple(loss, logits, outputs) -> tuple:
     return tuple(v for v in values if v is not None)
 
 
-def check_targets(name: str, targets: Optional[torch.Tensor], logits: torch.Tensor, vocab_size: int, ignore_index: int):
-    """labels / shift_labels: integer ids [batch, sequence], one per logits position, each a token id of the
-    vocabulary or `ignore_index`. Values are read (one host sync) unless compiling: targets come with training
-    forwards, never with decode steps, and an id out of range would end in a CUDA device-side assert."""
+def check_targets(name: str, targets: Optional[torch.Tensor], logits: torch.Tensor):
+    """labels / shift_labels: integer ids [batch, sequence], one per logits position."""
     if targets is None:
         return
     if not isinstance(targets, torch.Tensor) or targets.shape != logits.shape[:2] \
@@ -3064,11 +3114,34 @@ def check_targets(name: str, targets: Optional[torch.Tensor], logits: torch.Tens
             else repr(targets)
         raise ValueError(f"{name} must be an integer tensor {list(logits.shape[:2])} (batch, sequence: one target "
                          f"per position of the logits, also with logits_to_keep); got {got}.")
-    if not is_compiling():
-        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-        if bool(bad.any()):
-            raise ValueError(f"{name} holds {int(targets[bad][0])}, neither a token id in [0, {vocab_size}) nor "
+
+
+def check_target_values(labels, shift_labels, vocab_size: int, ignore_index: int) -> bool:
+    """Each target a token id of the vocabulary or `ignore_index` (an id out of range would end in a CUDA device-side
+    assert); returns whether no position has a target at all. Values are read with one host sync unless compiling:
+    targets come with training forwards, never with decode steps. Both on one device."""
+    if is_compiling():
+        return False
+    given = {name: targets for name, targets in (("labels", labels), ("shift_labels", shift_labels))
+             if targets is not None}
+    out_of_range = {name: (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+                    for name, targets in given.items()}
+    scored = shift_labels if shift_labels is not None else labels[..., 1:]  # the loss's targets
+    flags = torch.stack([bad.any() for bad in out_of_range.values()] + [(scored == ignore_index).all()]).tolist()
+    for (name, bad), flagged in zip(out_of_range.items(), flags):
+        if flagged:
+            raise ValueError(f"{name} holds {int(given[name][bad][0])}, neither a token id in [0, {vocab_size}) nor "
                              f"ignore_index ({ignore_index}): mark positions without a target with {ignore_index}.")
+    return flags[-1]
+
+
+def warn_nothing_scored(ignore_index: int):
+    """Every target ignored: the mean over no token is NaN, as in the original; said once, with the usual cause."""
+    logger.warning_once(
+        f"loss is NaN: every label is ignore_index ({ignore_index}), so no token has a target. The usual cause is "
+        "truncation: the prompt filled max_length and the answer was cut away. Raise max_length or shorten the prompt "
+        "(or drop such examples)."
+    )
 
 
 def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -3182,14 +3255,16 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         device."""
         vocab_size = self.config.padded_vocab_size
         for name, targets in (("labels", labels), ("shift_labels", shift_labels)):
-            check_targets(name, targets, logits, vocab_size, ignore_index)
+            check_targets(name, targets, logits)
+        labels, shift_labels = device_boundary(labels, logits.device), device_boundary(shift_labels, logits.device)
+        nothing_scored = check_target_values(labels, shift_labels, vocab_size, ignore_index)
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = device_boundary(num_items_in_batch, logits.device)
-        return causal_lm_loss(
-            logits, device_boundary(labels, logits.device), vocab_size=vocab_size,
-            num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
-            shift_labels=device_boundary(shift_labels, logits.device),
-        )
+        loss = causal_lm_loss(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
+                              ignore_index=ignore_index, shift_labels=shift_labels)
+        if nothing_scored and bool(loss.isnan()):  # a host sync only when no position has a target
+            warn_nothing_scored(ignore_index)
+        return loss
 
     def generate(self, inputs=None, *args, **kwargs):
         """transformers' generate(), with its bookkeeping (prompt, mask, the tokens it appends) on one device, wherever

@@ -44,7 +44,8 @@ Token ids are the originals' wherever the originals were right. What differs, on
   raised IndexError), right padding, `return_attention_mask=False`.
 * GLM-4 encodes whitespace runs of any length (tiktoken's regex engine gives up on about a million blanks).
 * A missing or damaged `tokenizer.model` raises an error naming the file (and, for GLM-4's text file, the line);
-  a file that reads well but differs from the released one logs a warning. Text that is not a `str` raises TypeError.
+  a file that reads well but differs from the released one logs a warning. Text that is not a `str` raises TypeError;
+  text holding a surrogate code point (no UTF-8 bytes) raises ValueError naming the argument and the position.
 
 Sections, in order: transformers compatibility; helpers shared by both tokenizers; shared tokenizer logic (one mixin
 per concern, combined in `_GLMTokenizerBase`); GLM-4V images; GLM-4; ChatGLM3 (with ChatGLM2's form).
@@ -262,10 +263,34 @@ def _checked_token_ids(token_ids) -> List[int]:
     return [int(index) for index in token_ids]
 
 
+def _check_encodable(value, name: str) -> None:
+    """Refuse a surrogate code point anywhere in `value` (a str, or lists, tuples and dicts of them, named as
+    `name[1]['content']`): text holds one only after a broken decode upstream, and it has no UTF-8 bytes (SentencePiece
+    failed with "Unable to cast Python instance", tiktoken replaced it with U+FFFD without a word)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # fails on surrogates only; a few times faster than a regex search
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"{name} holds a lone surrogate {value[error.start]!r} at position {error.start}: it is no character "
+                "and has no UTF-8 encoding (a decode upstream went wrong, e.g. JSON with an unpaired \\ud800 "
+                "escape). Fix the text at its source, or replace such code points: "
+                "text.encode('utf-8', 'replace').decode('utf-8')."
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key, f"{name} key")
+            _check_encodable(item, f"{name}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_encodable(item, f"{name}[{index}]")
+
+
 def _check_text_input(value, name: str) -> None:
     """Accept what transformers accepts as text: a str, a list of str (batch or words), a list of token ids, or a
     list of those lists. Anything else (None aside) is a TypeError rather than a confusing failure later."""
     if value is None or isinstance(value, str):
+        _check_encodable(value, name)
         return
     if isinstance(value, (list, tuple)):
         for item in value:
@@ -274,6 +299,7 @@ def _check_text_input(value, name: str) -> None:
             if isinstance(item, (list, tuple)) and all(isinstance(x, str) or _is_token_id(x) for x in item):
                 continue
             raise TypeError(f"{name} must hold str (or token ids); found an item of type {type(item).__name__}")
+        _check_encodable(value, name)
         return
     raise TypeError(f"{name} must be a str or a list of str, got {type(value).__name__}")
 
@@ -438,6 +464,7 @@ class _SpecialTokenParsing:
         """
         if not isinstance(text, str):
             raise TypeError(f"{type(self).__name__}.tokenize expects a str, got {type(text).__name__}")
+        _check_encodable(text, "text")
         tokens = []
         for piece, is_token in self._segments(text, self._parse_special_requested(kwargs)):
             if is_token:
@@ -581,7 +608,11 @@ class _ChatRendering:
         for index, conv in enumerate(conversations):
             # ChatGLM3's built-in format renders an empty chat as its prefix; a template needs a message
             # (transformers < 4.47 failed with a bare IndexError).
-            _check_messages(conv, f"conversation[{index}]" if batched else "conversation", allow_empty=builtin)
+            name = f"conversation[{index}]" if batched else "conversation"
+            _check_messages(conv, name, allow_empty=builtin)
+            _check_encodable(conv, name)
+        for name, value in {"tools": tools, "documents": documents, **kwargs}.items():
+            _check_encodable(value, name)
         if not tokenize:
             rendered = [
                 self._builtin_chat_text(conv, add_generation_prompt) if builtin
@@ -1579,6 +1610,8 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
             raise ValueError(f"unknown role {role!r}; ChatGLM3 roles are {_CHATGLM3_ROLES}")
         if not isinstance(message, str) or not isinstance(metadata, str):
             raise TypeError("ChatGLM3 message content and metadata must be str")
+        _check_encodable(metadata, "metadata")
+        _check_encodable(message, "message")
         return [self.get_command(f"<|{role}|>")] + self._encode_text(f"{metadata}\n") + self._encode_text(message)
 
     def _turns(self, messages, name: str) -> List[Tuple[str, str, str]]:
@@ -1623,6 +1656,8 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
             raise ValueError(f"role={role!r} is not a ChatGLM3 role ({', '.join(_CHATGLM3_ROLES)})")
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
+        _check_encodable(query, "query")
+        _check_encodable(history, "history")
         turns = self._turns(history or [], "history") + [(role, "", query)]
         return self.pad({"input_ids": [self._ids_of_turns(turns, add_generation_prompt=True)]},
                         return_tensors=return_tensors)
@@ -1660,6 +1695,8 @@ class ChatGLMTokenizer(_GLMTokenizerBase):
         _require_family(self, "chatglm2", "build_prompt", "build_chat_input(query, history) or apply_chat_template")
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
+        _check_encodable(query, "query")
+        _check_encodable(history, "history")
         history = _chatglm2_pairs(history or [], "history")
         past = [chatglm2_round(number, old_query, response) + "\n\n"
                 for number, (old_query, response) in enumerate(history, 1)]

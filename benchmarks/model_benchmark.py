@@ -25,7 +25,8 @@ long-prefill memory of fresh processes (RSS); decode against the memory bandwidt
 over the step time, against a STREAM-like copy measured in the same run, against the model's own matrix-vector
 products timed alone (what torch's kernels reach on these weights), and torch.compile'd decode, also replayed as CUDA
 graphs. Decode steps run on caches filled with random keys and values to the wanted context (their values do not
-change the work). --json writes every number; a Markdown table ends the output.
+change the work). weights: the NaN/inf check from_pretrained runs over every floating weight, timed against the
+load it follows in the same run. --json writes every number; a Markdown table ends the output.
 transformers < 4.46 has no GlmForCausalLM: the fork's numbers are printed alone.
 """
 import argparse
@@ -535,6 +536,35 @@ def int4(results, models, args, clock):
     gc.collect()
 
 
+def weight_check(results, models, args, clock, fork_folder=None):
+    """The cost of from_pretrained's NaN/inf check of every floating weight (`check_finite_weights`), against the
+    load it follows in the same run: from_pretrained of the fork's checkpoint with the check off, then the check on
+    the model just loaded (a checkpoint loaded in its own dtype stays memory-mapped on 5.x: the check is then the
+    first read of its pages), medians of a few rounds; or with --in-memory, the check against the build of the
+    models (no checkpoint is read)."""
+    check = sys.modules[type(models["fork"]).__module__].check_finite_weights
+    rounds = max(args.rounds // 2, 1)
+    if fork_folder is None:
+        loads, what = [args.build_seconds], "building the models in memory"
+        times = [clock(lambda: check(models["fork"], "benchmark")) for _ in range(rounds)]
+    else:
+        kwargs = dict(dtype_kwarg(getattr(torch, args.dtype)), attn_implementation="sdpa", check_finite_weights=False)
+        if args.device != "cpu":
+            kwargs["device_map"] = args.device
+        loads, times, what = [], [], "from_pretrained of the checkpoint"
+        for _ in range(rounds):
+            loaded = []
+            loads.append(clock(lambda: loaded.append(
+                transformers.AutoModelForCausalLM.from_pretrained(fork_folder, trust_remote_code=True, **kwargs))))
+            times.append(clock(lambda: check(loaded[0], "benchmark")))
+            del loaded
+            gc.collect()
+    load_seconds = statistics.median(loads)
+    share = statistics.median(times) / load_seconds
+    results.add("weights", "NaN/inf weight check after loading", "ms", {"fork": [t * 1e3 for t in times]},
+                note=f"{share:.1%} of {what} ({load_seconds:.2f} s)", share_of_load=share, load_seconds=load_seconds)
+
+
 def generate(results, models, args, clock):
     ids = random_ids(1, args.gen_prompt, 6, args.device)
     kwargs = dict(max_new_tokens=args.gen_new, min_new_tokens=args.gen_new, do_sample=False, eos_token_id=None,
@@ -900,11 +930,13 @@ def parse_args(argv=None):
     parser.add_argument("--gen-prompt", type=int, default=32)
     parser.add_argument("--gen-new", type=int, default=64)
     parser.add_argument("--limit-dtypes", help="dtypes of the bandwidth lines (default: float32,bfloat16 on CPU)")
-    parser.add_argument("--sections", default="kv,prefill,decode,generate,profile,int4,memory,bandwidth,compiled",
+    parser.add_argument("--sections", default="kv,prefill,decode,generate,profile,int4,weights,memory,bandwidth,"
+                                              "compiled",
                         help="compiled: bandwidth lines of a torch.compile'd decode (with bandwidth; with int4 on "
                              "CUDA the int4 model's CUDA-graph decode); profile: operators and kernels of one batched "
                              "decode step and per layer; int4: a pre-quantized int4 model on each kernel against the "
-                             "same weights dequantized (bytes held, decode, prefill)")
+                             "same weights dequantized (bytes held, decode, prefill); weights: the NaN/inf weight "
+                             "check against the load")
     parser.add_argument("--in-memory", action="store_true",
                         help="build both models in device memory from the same random weights, writing no checkpoint "
                              "(no fresh-process memory lines; the bandwidth lines in --dtype only)")
@@ -942,7 +974,8 @@ def main(argv=None) -> int:
             raise SystemExit("--in-memory builds random weights: it does not take --model")
         started = time.perf_counter()
         models = build_in_memory(args.preset, dtype, args.device)
-        header = f"random {args.preset} model, built in memory in {time.perf_counter() - started:.1f} s"
+        args.build_seconds = time.perf_counter() - started
+        header = f"random {args.preset} model, built in memory in {args.build_seconds:.1f} s"
     else:
         if args.model is not None:
             fork_folder, native_folder = link_checkpoint(args.model, workdir)
@@ -963,6 +996,9 @@ def main(argv=None) -> int:
         if section in args.sections:
             print(f"{section}:", flush=True)
             run(results, models, args) if section == "kv" else run(results, models, args, clock)
+    if "weights" in args.sections:
+        print("weights:", flush=True)
+        weight_check(results, models, args, clock, folders and folders["fork"])
     if folders is not None:
         del models
         gc.collect()

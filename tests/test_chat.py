@@ -126,6 +126,23 @@ def test_chat_with_an_unknown_role_names_it(chat_setup):
         model.chat(tokenizer, "hi", history=[], role="narrator")
 
 
+@pytest.mark.parametrize("method", ["chat", "stream_chat"])
+@pytest.mark.parametrize("where", ["query", "history"])
+def test_chat_with_a_lone_surrogate_names_it(chat_setup, method, where):
+    """ChatGLM3's chat() ended in SentencePiece's "Unable to cast Python instance of type <class 'str'> to C++
+    type"; GLM-4's sent U+FFFD in its place without a word."""
+    family, model, tokenizer = chat_setup
+    history = [{"role": "user", "content": "hi\ud800"}] if where == "history" else []
+    query = "hi" if where == "history" else "hi\ud800"
+    named = {("chatglm3", "query"): "query", ("chatglm3", "history"): r"history\[0\]\['content'\]",
+             ("glm4", "query"): r"conversation\[0\]\['content'\]",
+             ("glm4", "history"): r"conversation\[0\]\['content'\]"}[family, where]
+    with pytest.raises(ValueError, match=rf"^{named} holds a lone surrogate '\\ud800' at position 2"):
+        result = getattr(model, method)(tokenizer, query, history=history, **GREEDY)
+        if method == "stream_chat":
+            next(result)
+
+
 # ---- process_response: tool calls are parsed, never evaluated ----
 
 TOOLS_HISTORY = [{"role": "system", "content": "Answer with tools.", "tools": [{"name": "get_weather"}]},
@@ -406,6 +423,15 @@ def test_chatglm2_chat_names_what_it_cannot_take(chatglm2_chat, call, message):
     model, tokenizer = chatglm2_chat
     with pytest.raises(ValueError, match=message):
         model.chat(tokenizer, "hi", **call)
+
+
+@pytest.mark.parametrize("call", [dict(query="hi\ud800"), dict(query="hi", history=[("a\ud800", "b")])])
+def test_chatglm2_chat_with_a_lone_surrogate_names_it(chatglm2_chat, call):
+    """It ended in SentencePiece's "Unable to cast Python instance of type <class 'str'> to C++ type"."""
+    model, tokenizer = chatglm2_chat
+    named = "query" if "history" not in call else r"history\[0\]\[0\]"
+    with pytest.raises(ValueError, match=rf"^{named} holds a lone surrogate '\\ud800' at position \d"):
+        model.chat(tokenizer, **call)
 
 
 def test_chatglm3_folder_keeps_chatglm3s_chat(tiny_model, tmp_path, monkeypatch):

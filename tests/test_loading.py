@@ -658,6 +658,78 @@ def test_after_a_download_the_loaded_model_is_checked(tiny_model, chatglm, tmp_p
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Weights holding NaN or inf
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def with_values(tensor: torch.Tensor, values: list) -> torch.Tensor:
+    """`tensor` with its first len(values) entries replaced."""
+    changed = tensor.clone()
+    changed.view(-1)[:len(values)] = torch.tensor(values, dtype=tensor.dtype)
+    return changed
+
+
+@pytest.mark.parametrize("load", LOAD_PATHS, ids=lambda load: ",".join(load) or "default")
+@pytest.mark.parametrize("values, dtype", [([float("nan")], torch.float32), ([float("inf"), float("-inf")],
+                                                                             torch.float32),
+                                           ([float("nan")] * 3, torch.bfloat16), ([float("inf")], torch.float16)])
+def test_a_weight_holding_nan_or_inf_is_refused_naming_it_and_the_count(tiny_model, tmp_path, values, dtype, load):
+    """It loaded without a word, and every logit came out NaN."""
+    model = tiny_model("glm4").to(dtype)
+    file = write_weights(model, tmp_path / "checkpoint", {QKV: with_values(model.state_dict()[QKV], values)})
+    count = f"{len(values)} NaN or inf value{'s' if len(values) > 1 else ''}"
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(file.parent))}: the weight {re.escape(QKV)} holds "
+                                         rf"{count} .*download or convert it again.*check_finite_weights=False"):
+        load_causal_lm(file.parent, dtype=dtype, **load)
+
+
+def test_the_check_can_be_switched_off(tiny_model, tmp_path):
+    model = tiny_model("chatglm3")
+    folder = write_weights(model, tmp_path / "checkpoint", {QKV: with_values(model.state_dict()[QKV], [1e39])}).parent
+    loaded = load_causal_lm(folder, check_finite_weights=False)
+    assert torch.isinf(loaded.state_dict()[QKV]).any()
+    with torch.no_grad():
+        assert torch.isnan(loaded(input_ids=torch.tensor([[5, 6, 7]])).logits).all()  # what the check prevents
+
+
+def test_the_tensor_parallel_path_checks_the_weights_and_takes_the_switch(tiny_model, tmp_path):
+    """Each rank reads the whole checkpoint before keeping its shards: the check runs there, alike on every rank
+    (tp_size=1 takes that path in one process)."""
+    model = tiny_model("glm4")
+    folder = write_weights(model, tmp_path / "checkpoint", {QKV: with_values(model.state_dict()[QKV], [-1e39])}).parent
+    with pytest.raises(ValueError, match=rf"the weight {re.escape(QKV)} holds 1 NaN or inf value "):
+        load_causal_lm(folder, tp_size=1)
+    assert torch.isinf(load_causal_lm(folder, tp_size=1, check_finite_weights=False).state_dict()[QKV]).any()
+
+
+def test_finite_weights_whose_sum_overflows_load(tiny_model, tmp_path):
+    """float16 weights of large magnitude sum past float16's range (65504): the check counts the values themselves
+    before refusing anything."""
+    model = tiny_model("glm4").to(torch.float16)
+    norm = "transformer.encoder.final_layernorm.weight"
+    folder = write_weights(model, tmp_path / "checkpoint", {norm: torch.full_like(model.state_dict()[norm], 6e4)}).parent
+    loaded = load_causal_lm(folder, dtype=torch.float16)
+    assert torch.equal(loaded.state_dict()[norm], torch.full_like(model.state_dict()[norm], 6e4))
+
+
+def test_weights_this_process_does_not_hold_are_not_read(tiny_model, chatglm, tmp_path):
+    """Weights offloaded by a device map (meta tensors) and integer storage (int8/int4 codes) are skipped; the
+    floating weights held are checked."""
+    modeling = chatglm.modeling
+    with torch.device("meta"):
+        offloaded = modeling.ChatGLMForConditionalGeneration(tiny_model("glm4").config)
+    modeling.check_finite_weights(offloaded, "offloaded")
+    model = tiny_model("glm4")
+    model.transformer.encoder.layers[0].mlp.dense_4h_to_h.weight_codes = torch.nn.Parameter(
+        torch.full((4, 4), 7, dtype=torch.int8), requires_grad=False)
+    modeling.check_finite_weights(model, "codes")
+    with torch.no_grad():
+        model.transformer.output_layer.weight[3, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"^held: the weight transformer\.output_layer\.weight holds 1 NaN"):
+        modeling.check_finite_weights(model, "held")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Damaged weight files: the stored-dtype check reads every header before transformers does
 # ---------------------------------------------------------------------------------------------------------------------
 

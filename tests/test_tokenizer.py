@@ -82,6 +82,69 @@ def real_or_random_texts(specials, excluded=""):
     return st.lists(pieces, max_size=5).map("".join).map(lambda text: "".join(c for c in text if c not in excluded))
 
 
+# Every entry point that takes text, as (call, the name the error gives); `family_only`: the family having it.
+TEXT_ENTRY_POINTS = {
+    "encode": (lambda tok, text: tok.encode(text), "text"),
+    "__call__": (lambda tok, text: tok(text), "text"),
+    "__call__ batch": (lambda tok, text: tok(["fine", text]), r"text\[1\]"),
+    "__call__ text_pair": (lambda tok, text: tok("fine", text_pair=text), "text_pair"),
+    "tokenize": (lambda tok, text: tok.tokenize(text), "text"),
+    "chat template": (lambda tok, text: tok.apply_chat_template([{"role": "user", "content": text}]),
+                      r"conversation\[0\]\['content'\]"),
+    "chat template text": (lambda tok, text: tok.apply_chat_template([{"role": "user", "content": text}],
+                                                                     tokenize=False),
+                           r"conversation\[0\]\['content'\]"),
+    "chat template batch": (lambda tok, text: tok.apply_chat_template([[{"role": "user", "content": "hi"}],
+                                                                       [{"role": "user", "content": text}]]),
+                            r"conversation\[1\]\[0\]\['content'\]"),
+    "chat template tools": (lambda tok, text: tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                      tools=[{"name": "f", "description": text}]),
+                            r"tools\[0\]\['description'\]"),
+    "encode_plus (4.x)": (lambda tok, text: tok.encode_plus(text), "text"),
+    "batch_encode_plus (4.x)": (lambda tok, text: tok.batch_encode_plus(["fine", text]),
+                                r"batch_text_or_text_pairs\[1\]"),
+    "build_chat_input": (lambda tok, text: tok.build_chat_input(text), "query"),
+    "build_chat_input history": (lambda tok, text: tok.build_chat_input("hi", history=[{"role": "user",
+                                                                                       "content": text}]),
+                                 r"history\[0\]\['content'\]"),
+    "build_single_message": (lambda tok, text: tok.build_single_message("user", "", text), "message"),
+    "build_prompt": (lambda tok, text: tok.build_prompt(text), "query"),
+    "build_prompt history": (lambda tok, text: tok.build_prompt("hi", history=[("a", text)]), r"history\[0\]\[1\]"),
+}
+FAMILY_ONLY = {"build_chat_input": ("chatglm3",), "build_chat_input history": ("chatglm3",),
+               "build_single_message": ("chatglm3", "chatglm2"), "build_prompt": ("chatglm2",),
+               "build_prompt history": ("chatglm2",)}
+FAMILY_ENTRY_POINTS = [(family, entry) for family in ("glm4", "chatglm3", "chatglm2") for entry in TEXT_ENTRY_POINTS
+                       if family in FAMILY_ONLY.get(entry, (family,))]
+
+
+@pytest.mark.parametrize("family, entry", FAMILY_ENTRY_POINTS)
+@pytest.mark.parametrize("text, position, character", [("ok \ud800 then", 3, "\ud800"),
+                                                       ("\ud83d\ude00", 0, "\ud83d"),  # a pair spelled as two
+                                                       ("end\udfff", 3, "\udfff")])
+def test_a_lone_surrogate_is_refused_naming_position_and_character(request, family, entry, text, position,
+                                                                   character):
+    """Text with a surrogate code point (a broken decode upstream) ended in SentencePiece's "Unable to cast Python
+    instance of type <class 'str'> to C++ type" (ChatGLM2/3), and tiktoken replaced it with U+FFFD without a word
+    (GLM-4)."""
+    tok = request.getfixturevalue(f"{family}_tokenizer")
+    call, named = TEXT_ENTRY_POINTS[entry]
+    if entry.endswith("(4.x)") and not hasattr(tok, "encode_plus"):
+        pytest.skip("transformers 5 has no encode_plus / batch_encode_plus")
+    with pytest.raises(ValueError, match=rf"^{named} holds a lone surrogate {re.escape(repr(character))} at "
+                                         rf"position {position}\b"):
+        call(tok, text)
+
+
+@pytest.mark.parametrize("family", ["glm4", "chatglm3", "chatglm2"])
+def test_characters_beyond_the_basic_plane_are_no_surrogates(request, family):
+    """A character outside the BMP is one code point in a Python str (UTF-16 shows it as a pair): it encodes."""
+    tok = request.getfixturevalue(f"{family}_tokenizer")
+    text = "😀 𝄞 𠀋"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    tok.apply_chat_template([{"role": "user", "content": text}])
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Independent oracles: tiktoken / sentencepiece on the shared model files
 # ---------------------------------------------------------------------------------------------------------------------

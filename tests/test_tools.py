@@ -573,6 +573,23 @@ def test_gpu_check_leaves_nothing_behind_when_it_ends_fails_or_is_stopped(tmp_pa
 
 @pytest.mark.matrix_ends
 @pytest.mark.parametrize("models", ["checkpoints", "in-memory"])
+def test_model_benchmark_times_the_weight_check_against_the_load(tmp_path, models):
+    """The `weights` row: from_pretrained's NaN/inf check, and its share of the load (or the in-memory build) it
+    follows in the same run (no timing is asserted)."""
+    numbers = tmp_path / "numbers.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "model_benchmark.py"), "--quick", "--sections", "weights",
+         "--json", str(numbers)] + (["--in-memory"] if models == "in-memory" else []),
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    (row,) = [row for row in json.loads(numbers.read_text())["rows"] if row["section"] == "weights"]
+    assert row["unit"] == "ms" and row["load_seconds"] > 0
+    assert row["share_of_load"] == pytest.approx(row["fork"] / 1e3 / row["load_seconds"])
+    assert ("building the models in memory" if models == "in-memory" else "from_pretrained") in row["note"]
+
+
+@pytest.mark.matrix_ends
+@pytest.mark.parametrize("models", ["checkpoints", "in-memory"])
 def test_model_benchmark_runs_from_a_clone(tmp_path, models):
     """The benchmark's whole path on a tiny model (no timing is asserted), from checkpoints on disk or built in
     memory: its KV bytes equal the theory, and where transformers has GlmForCausalLM, the native model generates the

@@ -4,7 +4,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAMILIES, TRANSFORMERS, Version, optional_package
+from conftest import FAMILIES, TRANSFORMERS, LoggedMessages, Version, optional_package
 
 
 def batch(seed, batch_size=2, length=12):
@@ -103,6 +103,68 @@ def test_shift_labels_alone_give_the_loss(tiny_model):
     with torch.no_grad():
         out = model(input_ids=ids, **extra)
     torch.testing.assert_close(out.loss, written_out_loss(out.logits, **extra))
+
+
+def nothing_scored_warnings(log) -> list:
+    return [message for message in log.messages if "every label is ignore_index" in message]
+
+
+@pytest.mark.parametrize("targets", ["labels", "shift_labels"])
+def test_labels_all_ignored_give_the_originals_nan_and_warn_once_with_the_cause(tiny_model, targets):
+    """Every target -100 (a prompt truncated before its answer): the mean over no token is NaN, as in the original,
+    which said nothing."""
+    model = tiny_model("glm4")
+    ids, labels = batch(23)
+    ignored = torch.full_like(labels, -100)
+    if targets == "labels":  # the first label is never a target (it is shifted away)
+        ignored[:, 0] = labels[:, 0]
+    with torch.no_grad(), LoggedMessages(type(model).__module__) as log:
+        losses = [model(input_ids=ids, **{targets: ignored}).loss for _ in range(2)]
+    assert all(torch.isnan(loss) for loss in losses)
+    assert torch.isnan(F.cross_entropy(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)))  # the original's loss
+    warned = nothing_scored_warnings(log)
+    assert len(warned) == 1 and "-100" in warned[0] and "max_length" in warned[0] and "truncat" in warned[0], warned
+
+
+@pytest.mark.parametrize("targets", [("labels",), ("shift_labels",), ("labels", "shift_labels")])
+def test_a_training_forward_reads_one_value_of_its_targets(tiny_model, monkeypatch, targets):
+    """Reading a value waits for the device: the label-id check and the all-ignored check share one read (one more
+    than a forward without targets makes), and the loss itself is read only when no position has a target."""
+    model = tiny_model("glm4")
+    ids, labels = batch(25)
+    reads = []
+    for method in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            reads.append(_method)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    with torch.no_grad():
+        model(input_ids=ids)
+        without_targets = list(reads)
+        reads.clear()
+        model(input_ids=ids, **{name: labels for name in targets})
+    assert len(reads) == len(without_targets) + 1, (without_targets, reads)
+
+
+@pytest.mark.parametrize("case", ["one row ignored", "num_items_in_batch"])
+def test_labels_ignored_only_in_part_or_summed_give_a_number_and_no_warning(tiny_model, case):
+    """A batch with a fully ignored row has a loss over the other rows; with the Trainer's num_items_in_batch an
+    all-ignored micro-batch adds 0 to the sum. Neither is NaN, so nothing is said."""
+    model = tiny_model("glm4")
+    ids, labels = batch(24)
+    extra = {}
+    if case == "one row ignored":
+        labels[0] = -100
+    else:
+        labels[:] = -100
+        extra = {"num_items_in_batch": torch.tensor(40)}
+    with torch.no_grad(), LoggedMessages(type(model).__module__) as log:
+        out = model(input_ids=ids, labels=labels, **extra)
+    torch.testing.assert_close(out.loss, written_out_loss(out.logits, labels, **extra))
+    assert torch.isfinite(out.loss) and not nothing_scored_warnings(log)
 
 
 def test_padding_free_trainer_loss_equals_the_padded_batch(tiny_model, tmp_path):
