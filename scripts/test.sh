@@ -21,7 +21,7 @@ OLDEST=4.44.2; NEWEST=5.24.0
 MINIMAL=("$OLDEST" "$NEWEST")
 CORE=(tests/test_loading.py tests/test_parity.py tests/test_quantized.py tests/test_generation.py tests/test_cache_use.py tests/test_chat.py
       tests/test_inputs.py tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py
-      tests/test_recipes.py tests/test_overrides.py tests/test_dependencies.py)
+      tests/test_recipes.py tests/test_overrides.py tests/test_dependencies.py tests/test_surface.py)
 NEWEST_TORCH="$(sed -n 's/^torch==//p' "$ROOT/scripts/requirements-newest-torch.txt")"
 TORCH_ENDS=("2.4.1 $OLDEST" "$NEWEST_TORCH $NEWEST")
 TORCH_SENSITIVE=(tests/test_attention.py tests/test_compile.py)  # besides the core suite: the kernels, torch.compile
