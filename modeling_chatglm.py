@@ -1294,7 +1294,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `position_ids` [batch, seq] over a head's whole width: [batch, 1, seq, head_dim]. On the
         turning channels each value repeats for its pair, sin with the pair's signs (-, +); the other channels pass
-        (cos 1, sin 0). Made once per forward, so that each layer turns a tensor in four operators (apply_rotary)."""
+        (cos 1, sin 0). Made once per forward, so that each layer turns its queries and keys in four operators
+        (SelfAttention.rotated_heads)."""
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=position_ids.device)
         theta = 1.0 / (self.base ** (steps / self.rotary_channels))
         positions = position_ids[..., None].float()
