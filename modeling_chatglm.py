@@ -282,6 +282,29 @@ def is_compiling() -> bool:
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
+# torch 2.4's rms_norm is composite: in a half type it rounds the normalised value to the input's dtype and then
+# multiplies by the weight, two roundings where the original rounds once. Later releases' fused kernel multiplies in
+# fp32 and rounds once (torch 2.13 on CPU, measured), which lets a bf16/fp16 RMSNorm be one call instead of four.
+# Told by behaviour, once per device type and dtype, as the device's kernel decides it.
+_RMS_NORM_ROUNDS_ONCE = {}
+
+
+def rms_norm_rounds_once(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether F.rms_norm(x, shape, weight) with x and weight in the half type `dtype` gives the original's numbers
+    bit for bit on `device`'s type (compared on a small sample; never tried while compiling: False there)."""
+    key = (device.type, dtype)
+    if key not in _RMS_NORM_ROUNDS_ONCE:
+        if is_compiling() or device.type == "meta":
+            return False
+        generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
+        x = (torch.randn(16, 256, generator=generator) * 3).to(device, dtype)
+        weight = (torch.rand(256, generator=generator) + 0.5).to(device, dtype)
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        original = (weight * (x * torch.rsqrt(variance + 1e-5))).to(dtype)
+        _RMS_NORM_ROUNDS_ONCE[key] = torch.equal(F.rms_norm(x, (256,), weight, 1e-5), original)
+    return _RMS_NORM_ROUNDS_ONCE[key]
+
+
 def static_cache_mask_before_4_53(attention_mask, sequence_length, target_length, cache_position, config,
                                   **kwargs):
     """transformers 4.46 to 4.52 ask the base model for a static cache's mask, of a fixed shape so that a compiled
@@ -1311,7 +1334,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `position_ids` [batch, seq] over a head's whole width: [batch, 1, seq, head_dim]. On the
         turning channels each value repeats for its pair, sin with the pair's signs (-, +); the other channels pass
-        (cos 1, sin 0). Made once per forward, so that each layer turns a tensor in four operators (apply_rotary)."""
+        (cos 1, sin 0). Made once per forward, so that each layer turns its queries and keys in four operators
+        (SelfAttention.rotated_heads)."""
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=position_ids.device)
         theta = 1.0 / (self.base ** (steps / self.rotary_channels))
         positions = position_ids[..., None].float()
@@ -1658,13 +1682,23 @@ class SelfAttention(nn.Module):
             q, k, v = mixed.unflatten(-1, (s.num_heads, 3 * s.head_dim)).split(s.head_dim, dim=-1)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
+    def rotated_heads(self, mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """split_heads with the query and key turned on the rotary tables. In the grouped layout [q | k | v] the
+        queries and keys are one slice, turned at once: four operators a layer, not eight. The key and value get
+        their own memory: as views they would keep the queries, or the whole projection, alive in a cache."""
+        s = self.sizes
+        if not s.multi_query:
+            query, key, value = self.split_heads(mixed)
+            return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value.contiguous()
+        heads, value = mixed.split([(s.num_heads + s.num_kv_heads) * s.head_dim, s.num_kv_heads * s.head_dim], dim=-1)
+        # [batch, seq, heads, dim]: the tables' head axis moves beside the heads
+        heads = apply_rotary(heads.unflatten(-1, (-1, s.head_dim)), cos.transpose(1, 2), sin.transpose(1, 2))
+        query, key = heads.transpose(1, 2).split([s.num_heads, s.num_kv_heads], dim=1)
+        return query, key.contiguous(), value.unflatten(-1, (-1, s.head_dim)).transpose(1, 2).contiguous()
+
     def forward(self, hidden_states, inputs: AttentionInputs, past_key_values=None):
         batch, seq, _ = hidden_states.shape
-        query, key, value = self.split_heads(self.query_key_value(hidden_states))
-        # Rotary makes new query and key tensors; the value gets its own memory too. As a view it would keep the whole
-        # fused projection alive: pre-rotary queries through attention, and everything in a cache that stores it.
-        cos, sin = inputs.cos, inputs.sin
-        query, key, value = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value.contiguous()
+        query, key, value = self.rotated_heads(self.query_key_value(hidden_states), inputs.cos, inputs.sin)
         if past_key_values is not None:
             # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
             key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": inputs.cache_position})
@@ -1707,8 +1741,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states):
         # The original's arithmetic: normalised in fp32, times the weight in fp32, rounded once to the input's dtype.
-        # torch's rms_norm does it in one call where both are fp32; a half type keeps the fp32 product apart.
-        if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        # torch's rms_norm does it in one call where both are fp32, and in a half type where it rounds once
+        # (rms_norm_rounds_once); otherwise the fp32 product stays apart.
+        dtype = hidden_states.dtype
+        if self.weight.dtype == dtype and (dtype == torch.float32 or rms_norm_rounds_once(hidden_states.device, dtype)):
             return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.eps)
         normalized = F.rms_norm(hidden_states.float(), self.weight.shape, None, self.eps)
         return (self.weight * normalized).to(hidden_states.dtype)

@@ -217,6 +217,8 @@ def test_rms_norm_and_rotary_give_the_originals_numbers(tiny_model, dtype):
         # fp32: torch's rms_norm sums in its own order; a half type: at most one rounding step apart
         tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else {}
         torch.testing.assert_close(norm(x), expected, **tolerance)
+        if dtype != torch.float32 and modeling.rms_norm_rounds_once(x.device, dtype):  # then in one call, bit for bit
+            assert torch.equal(norm(x), expected)
 
         rotary = model.transformer.rotary_pos_emb
         head_dim = model.config.kv_channels
