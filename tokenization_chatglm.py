@@ -1187,6 +1187,8 @@ class ChatGLM4Tokenizer(_ChatImages, _GLMTokenizerBase):
         (API of the original)."""
         if role not in ("system", "user", "assistant", "observation"):
             raise ValueError(f"unknown role {role!r}")
+        _check_encodable(metadata, "metadata")
+        _check_encodable(message, "message")
         if not tokenize:
             return f"<|{role}|>{metadata}\n{message}"
         return [self.get_command(f"<|{role}|>")] + self._encode_text(f"{metadata}\n") + self._encode_text(message)
