@@ -1724,13 +1724,12 @@ class MLP(nn.Module):
 
     @staticmethod
     def activation_func(x):
-        """The original's name for the activation: SwiGLU of x = [gate | up]."""
+        """SwiGLU of x = [gate | up], under the original's name (a patch of it reaches forward, as there)."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def forward(self, hidden_states):
-        gate, up = self.dense_h_to_4h(hidden_states).chunk(2, dim=-1)
-        return self.dense_4h_to_h(F.silu(gate) * up)
+        return self.dense_4h_to_h(self.activation_func(self.dense_h_to_4h(hidden_states)))
 
 
 class RMSNorm(nn.Module):

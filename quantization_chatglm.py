@@ -235,11 +235,7 @@ def kernel_works(kernel: Int4Kernel, device: torch.device) -> bool:
     probe = torch.nn.utils.skip_init(nn.Linear, 256, 64, device=device)
     with torch.no_grad():
         probe.weight.copy_(probe_values(probe.weight.shape, device))
-    try:
-        packed = pack_with(kernel, QuantizedLinear.from_float(probe, 4))
-        return packed is not None and agrees(packed, QuantizedLinear.from_float(probe, 4))
-    except (RuntimeError, NotImplementedError):  # not built for this device or this layout
-        return False
+    return packed_if_agrees(kernel, QuantizedLinear.from_float(probe, 4)) is not None
 
 
 def probe_values(shape, device) -> torch.Tensor:
@@ -258,12 +254,15 @@ def pack_int4(layer: QuantizedLinear) -> Optional[Int4Packed]:
     """`layer`'s codes packed for the kernel of its device, or None where there is none or its sizes do not fit
     (checked against the exact path on two rows: a layout mistake would not pass unnoticed)."""
     kernel = int4_kernel(layer.weight.device)
-    if kernel is None:
-        return None
+    return None if kernel is None else packed_if_agrees(kernel, layer)
+
+
+def packed_if_agrees(kernel: Int4Kernel, layer: QuantizedLinear) -> Optional[Int4Packed]:
+    """`layer` packed for `kernel` if the kernel takes it and gives the exact path's product, else None."""
     try:
         packed = pack_with(kernel, layer)
-    except (RuntimeError, NotImplementedError):  # sizes it does not take (out not a multiple of 16 on CPU, 8 on CUDA)
-        return None
+    except (RuntimeError, NotImplementedError):  # a kernel not built for this device or layout; sizes it does not
+        return None  # take (out not a multiple of 16 on CPU, 8 on CUDA)
     return packed if packed is not None and agrees(packed, layer) else None
 
 
