@@ -21,8 +21,11 @@ The weights stay quantized in memory. Two ways to multiply by them (`QuantizedLi
           turning codes into floats; more rows (prefill) take the exact path. The default for a bf16/fp16 model
           where the running torch has the kernel for the device; an opt-in for fp32 (ChatGLMPreTrainedModel.
           use_quantized_kernel), with bf16's rounding of the activations (README: measured deviation).
-The packed copy is a plain attribute, not a parameter or buffer: the state dict, save_pretrained and PEFT see the
-original's storage only.
+Where the kernel's layout can be read back exactly (learned once per device by packing a probe, then checked on each
+layer), the packed bytes replace the codes in `weight`'s storage: the model holds one copy, about a quarter of fp16's
+bytes for these layers. The codes are rebuilt from them where something needs them: the exact path (prompts, the
+grad path), the state dict (so save_pretrained and PEFT see the original's storage), a move to another device (whose
+kernel packs them again). Elsewhere the packed copy is a plain attribute beside the codes.
 """
 
 from typing import NamedTuple, Optional
@@ -58,13 +61,11 @@ class QuantizedLinear(nn.Linear):
                                    requires_grad=False)
         self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-        # The original's files hold float16 scales whatever dtype the model runs in.
-        self._register_state_dict_hook(float16_scales)
+        # The state dict holds the original's storage: the codes (rebuilt where the packed bytes replaced them) and
+        # float16 scales, whatever dtype the model runs in.
+        self._register_state_dict_hook(original_storage)
         self.kernel = "auto"
         self.packed: Optional[Int4Packed] = None  # see use_kernel
-        # New codes (load_state_dict) make a packed copy stale: it is packed again. A copy left on another device by
-        # a move is not used (runs_packed): the exact path runs there until use_kernel packs it there.
-        self.register_load_state_dict_post_hook(pack_again)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, bits: int) -> "QuantizedLinear":
@@ -88,18 +89,46 @@ class QuantizedLinear(nn.Linear):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
 
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float weight [out, in] the codes stand for, in `dtype`."""
-        return torch.stack(self.code_columns(), dim=-1).flatten(-2).to(dtype) * self.weight_scale.to(dtype)[:, None]
+    # ---- the codes, wherever they are held ----
+
+    def packed_storage(self) -> Optional["Int4Packed"]:
+        """The packed copy when its bytes are `weight`'s storage (the codes are then not held), else None. A weight
+        moved or replaced behind the layer's back (accelerate's set_module_tensor_to_device) is told apart by its
+        first bytes: the packed ones moved, or codes put there."""
+        packed = self.packed
+        if packed is None or packed.layout is None:
+            return None
+        if self.weight.data_ptr() == packed.weight.data_ptr():
+            return packed
+        moved = self.weight.device.type != "meta" and torch.equal(leading_bytes(self.weight), packed.leading)
+        return packed if moved else None
+
+    def codes(self) -> torch.Tensor:
+        """The original's codes, read back from the packed bytes where those replaced them."""
+        packed = self.packed_storage()
+        return self.weight if packed is None else packed.layout.unpack(self.weight, self.out_features, self.in_features)
+
+    def block_columns(self, start: int, stop: int, packed: Optional["Int4Packed"]) -> tuple:
+        """code_columns of rows [start, stop), read from the packed bytes `packed` where they are the storage."""
+        if packed is None:
+            return self.code_columns(self.weight[start:stop])
+        signed = packed.layout.values(self.weight, self.out_features, self.in_features, start, stop).view(torch.int8) - 8
+        return signed[:, 0::2], signed[:, 1::2]
 
     def code_columns(self, codes: Optional[torch.Tensor] = None) -> tuple:
         """The signed codes of `codes` (rows of the weight; all by default) as int8 [rows, in] (8 bits), or as the
         even and the odd columns [rows, in / 2] (4 bits)."""
-        codes = self.weight if codes is None else codes
+        codes = self.codes() if codes is None else codes
         if self.bits == 8:
             return (codes,)
         # int8 shifts are arithmetic: each nibble comes out sign-extended
         return codes >> 4, (codes << 4) >> 4
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight [out, in] the codes stand for, in `dtype`."""
+        return torch.stack(self.code_columns(), dim=-1).flatten(-2).to(dtype) * self.weight_scale.to(dtype)[:, None]
+
+    # ---- the kernel ----
 
     def use_kernel(self, kernel: str, dtype: Optional[torch.dtype] = None) -> bool:
         """Choose the kernel ("auto": packed for a model computing in bf16/fp16 (`dtype`, by default the scales')
@@ -107,12 +136,22 @@ class QuantizedLinear(nn.Linear):
         Returns whether the packed kernel is ready."""
         if kernel not in KERNELS:
             raise ValueError(f"kernel={kernel!r}: choose one of {KERNELS}.")
-        self.kernel, self.packed = kernel, None
+        self.release_packed()
+        self.kernel = kernel
         half = (dtype or self.weight_scale.dtype) in (torch.bfloat16, torch.float16)
         wanted = kernel == "packed" or (kernel == "auto" and half)
         if wanted and self.bits == 4 and self.weight.device.type != "meta":
             self.packed = pack_int4(self)
+            if self.packed is not None and self.packed.layout is not None:  # the packed bytes become the storage
+                self.weight.data = self.packed.weight.view(-1).view(torch.int8).view(self.weight.shape)
         return self.packed is not None
+
+    def release_packed(self):
+        """Drop the packed copy, the codes back in `weight` where its bytes were the storage."""
+        with torch.no_grad():
+            if self.packed_storage() is not None:
+                self.weight.data = self.codes()
+        self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -136,9 +175,10 @@ class QuantizedLinear(nn.Linear):
         scale = self.weight_scale.to(x.dtype)
         # CPU: blocks that stay in cache; a GPU streams the whole weight (blocks would only add kernel launches)
         rows = max(1, EXACT_BLOCK // self.weight.shape[1]) if x.device.type == "cpu" else self.out_features
-        blocks = []
-        for codes, block_scale in zip(self.weight.split(rows), scale.split(rows)):
-            columns = [c.to(x.dtype) for c in self.code_columns(codes)]
+        blocks, packed = [], self.packed_storage()
+        for start in range(0, self.out_features, rows):
+            block_scale = scale[start:start + rows]
+            columns = [c.to(x.dtype) for c in self.block_columns(start, start + rows, packed)]
             if x.dtype != torch.float32:
                 columns = [c * block_scale[:, None] for c in columns]
             products = [F.linear(part, c) for part, c in zip(inputs, columns)]
@@ -147,19 +187,62 @@ class QuantizedLinear(nn.Linear):
         out = out * scale if x.dtype == torch.float32 else out
         return out if bias is None else out + bias
 
+    # ---- nn.Module's storage operations, kept consistent with the packed bytes ----
+
+    def _apply(self, fn, recurse=True):
+        """A move (or a dtype change that switches "auto") packs again for where the layer is now: a packed layout
+        is its device's kernel's, and the codes are read back from the bytes moved."""
+        packed, stored, before = self.packed, self.packed_storage(), (self.weight.data_ptr(), self.computes_half())
+        super()._apply(fn, recurse)
+        if packed is None or (self.weight.data_ptr(), self.computes_half()) == before:
+            return self
+        with torch.no_grad():
+            if stored is not None:
+                self.weight.data = stored.layout.unpack(self.weight, self.out_features, self.in_features)
+            self.packed = None
+            self.use_kernel(self.kernel)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """New codes replace the packed copy, which is made again from them."""
+        packed = self.packed is not None and prefix + "weight" in state_dict
+        if packed:
+            self.release_packed()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if packed:
+            self.use_kernel(self.kernel)
+
+    def __getstate__(self):
+        """Pickled (torch.save, deepcopy) with the codes, not the packed bytes, whose layout is this machine's
+        kernel's (a CPU's depends on its vector width): unpickling packs them again."""
+        state = dict(self.__dict__)
+        if self.packed_storage() is not None:
+            parameters = state["_parameters"] = dict(state["_parameters"])
+            parameters["weight"] = nn.Parameter(self.codes(), requires_grad=False)
+            state["packed"], state["_pack_again"] = None, True
+        return state
+
+    def __setstate__(self, state):
+        pack_again = state.pop("_pack_again", False)
+        super().__setstate__(state)
+        if pack_again:
+            self.use_kernel(self.kernel)
+
+    def computes_half(self) -> bool:
+        return self.weight_scale.dtype in (torch.bfloat16, torch.float16)
+
     def reset_parameters(self):  # nn.Linear's would draw float values into the int8 codes
+        self.release_packed()
         nn.init.zeros_(self.weight)
         nn.init.ones_(self.weight_scale)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
 
-def pack_again(module, incompatible_keys):
-    if module.packed is not None:
-        module.packed = pack_int4(module)
-
-
-def float16_scales(module, state_dict, prefix, local_metadata):
+def original_storage(module, state_dict, prefix, local_metadata):
+    key = prefix + "weight"
+    if key in state_dict and module.packed_storage() is not None:
+        state_dict[key] = module.codes()
     key = prefix + "weight_scale"
     if key in state_dict:
         state_dict[key] = state_dict[key].to(torch.float16)
@@ -187,20 +270,58 @@ class Int4Kernel(NamedTuple):
     layout: str  # "bytes": uint8 [out, in / 2], q = code + 8, the even column high; "int32": q as int32 [out, in]
     inner_k_tiles: int
 
-    def convert(self, codes: torch.Tensor) -> torch.Tensor:
-        return getattr(torch.ops.aten, self.convert_name)(codes, self.inner_k_tiles)
+    def convert(self, q: torch.Tensor) -> torch.Tensor:
+        """The packed weight of q = code + 8 (uint8 [out, in], 0..15)."""
+        q = (q[:, 0::2] << 4) | q[:, 1::2] if self.layout == "bytes" else q.to(torch.int32)
+        return self.convert_packed_input(q)
+
+    def convert_packed_input(self, codes: torch.Tensor) -> torch.Tensor:
+        return getattr(torch.ops.aten, self.convert_name)(codes.contiguous(), self.inner_k_tiles)
 
     def matmul(self, *args) -> torch.Tensor:
         return getattr(torch.ops.aten, self.matmul_name)(*args)
 
 
+class Int4Layout(NamedTuple):
+    """Where a kernel's packing puts each 4-bit value, learned by packing a probe (learn_layout): the packed bytes are
+    tiles of `rows` x `cols` values, in row-major order over the weight, each tile's values in the same order:
+    `order[r * cols + c]` is the nibble (low nibble first) of the tile holding its value (r, c)."""
+
+    rows: int
+    cols: int
+    order: torch.Tensor
+
+    def unpack(self, packed: torch.Tensor, out: int, inputs: int, start: int = 0, stop: Optional[int] = None):
+        """The original's codes (int8 [stop - start, inputs / 2]) of rows [start, stop) of `packed`."""
+        q = self.values(packed, out, inputs, start, stop)
+        return (((q[:, 0::2] << 4) | q[:, 1::2]) ^ 0x88).view(torch.int8)
+
+    def values(self, packed: torch.Tensor, out: int, inputs: int, start: int = 0, stop: Optional[int] = None):
+        """q = code + 8 (uint8 [stop - start, inputs]) of rows [start, stop) of `packed`: the tile rows holding them
+        turned into nibbles, each tile's moved to the end so that gathering its values in order copies whole rows."""
+        stop = out if stop is None else min(stop, out)
+        first, last = start // self.rows, -(-stop // self.rows)
+        tile_row_bytes = self.rows * inputs // 2
+        data = packed.reshape(-1).view(torch.uint8)[first * tile_row_bytes:last * tile_row_bytes]
+        tiles = nibbles(data).view(last - first, inputs // self.cols, self.rows * self.cols).transpose(1, 2)
+        ordered = tiles.contiguous().index_select(1, self.order.to(data.device))
+        q = ordered.view(last - first, self.rows, self.cols, -1).permute(0, 1, 3, 2).reshape(-1, inputs)
+        return q[start - first * self.rows:stop - first * self.rows]
+
+    def fits(self, out: int, inputs: int) -> bool:
+        return out % self.rows == 0 and inputs % self.cols == 0
+
+
 class Int4Packed(NamedTuple):
-    """A layer's codes packed for an Int4Kernel: w = (q - 8) * scale + 0, the per-row scale repeated per group."""
+    """A layer's codes packed for an Int4Kernel: w = (q - 8) * scale + 0, the per-row scale repeated per group.
+    `layout`: how to read the codes back (None: not known, the codes are kept beside); `leading`: the first bytes."""
 
     kernel: Int4Kernel
     weight: torch.Tensor
     group_size: int
     scales_and_zeros: torch.Tensor
+    layout: Optional[Int4Layout]
+    leading: torch.Tensor
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -208,8 +329,18 @@ class Int4Packed(NamedTuple):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def nibbles(data: torch.Tensor) -> torch.Tensor:
+    """The 4-bit values of uint8 `data`, each byte's low one first."""
+    return torch.stack((data & 15, data >> 4), dim=-1).view(-1)
+
+
+def leading_bytes(weight: torch.Tensor) -> torch.Tensor:
+    return weight.reshape(-1).view(torch.uint8)[:64].cpu()
+
+
 GROUP_SIZES = (256, 128, 64, 32)  # what the kernels accept; the per-row scale is the same in every group
 _KERNELS = {}  # device type -> Int4Kernel or None, found once per process
+_LAYOUTS = {}  # (Int4Kernel, device type) -> Int4Layout or None
 
 
 def int4_kernel(device: torch.device) -> Optional[Int4Kernel]:
@@ -235,7 +366,47 @@ def kernel_works(kernel: Int4Kernel, device: torch.device) -> bool:
     probe = torch.nn.utils.skip_init(nn.Linear, 256, 64, device=device)
     with torch.no_grad():
         probe.weight.copy_(probe_values(probe.weight.shape, device))
-    return packed_if_agrees(kernel, QuantizedLinear.from_float(probe, 4)) is not None
+    return packed_if_agrees(kernel, QuantizedLinear.from_float(probe, 4), layout=None) is not None
+
+
+def int4_layout(kernel: Int4Kernel, device: torch.device) -> Optional[Int4Layout]:
+    if (kernel, device.type) not in _LAYOUTS:
+        _LAYOUTS[kernel, device.type] = learn_layout(kernel, device)
+    return _LAYOUTS[kernel, device.type]
+
+
+def learn_layout(kernel: Int4Kernel, device: torch.device, out: int = 128, inputs: int = 256) -> Optional[Int4Layout]:
+    """Where `kernel`'s packing puts each value, from packing a probe whose values spell their own position (a base-16
+    digit at a time); the smallest tiling that explains it. None where packing is not a rearrangement of the values
+    in tiles (the codes are then kept beside the packed copy)."""
+    position = torch.arange(out * inputs, device=device)
+    source = torch.zeros_like(position)
+    digit = 0
+    while 16 ** digit < out * inputs:
+        q = ((position >> 4 * digit) & 15).to(torch.uint8).view(out, inputs)
+        source |= nibbles(kernel.convert(q).reshape(-1).view(torch.uint8)).long() << 4 * digit
+        digit += 1
+    if not torch.equal(source.sort().values, position):
+        return None
+    row, col = source // inputs, source % inputs
+    tilings = sorted(((rows, cols) for rows in range(1, out + 1) if out % rows == 0
+                      for cols in range(1, inputs + 1) if inputs % cols == 0 and rows * cols < out * inputs),
+                     key=lambda tiling: tiling[0] * tiling[1])
+    for rows, cols in tilings:
+        size = rows * cols
+        if not torch.equal(position // size, row // rows * (inputs // cols) + col // cols):
+            continue  # the tiles are not stored in row-major order
+        within = (row % rows * cols + col % cols).view(-1, size)
+        if torch.equal(within, within[:1].expand_as(within)):  # every tile in the same order
+            order = torch.empty(size, dtype=torch.long, device=device)
+            order[within[0]] = torch.arange(size, device=device)
+            layout = Int4Layout(rows, cols, order)
+            # a packing that also changed the values (q ^ 1, say) would spell positions too: random codes tell
+            codes = torch.randint(-128, 128, (out, inputs // 2), dtype=torch.int8,
+                                  generator=torch.Generator().manual_seed(0)).to(device)
+            q = torch.stack(((codes >> 4) + 8, ((codes << 4) >> 4) + 8), dim=-1).flatten(-2).to(torch.uint8)
+            return layout if torch.equal(layout.unpack(kernel.convert(q), out, inputs), codes) else None
+    return None
 
 
 def probe_values(shape, device) -> torch.Tensor:
@@ -252,18 +423,31 @@ def agrees(packed: Int4Packed, layer: QuantizedLinear) -> bool:
 
 def pack_int4(layer: QuantizedLinear) -> Optional[Int4Packed]:
     """`layer`'s codes packed for the kernel of its device, or None where there is none or its sizes do not fit
-    (checked against the exact path on two rows: a layout mistake would not pass unnoticed)."""
+    (checked against the exact path on two rows: a layout mistake would not pass unnoticed). The packed copy knows
+    its layout where the layer's codes read back from it exactly."""
     kernel = int4_kernel(layer.weight.device)
-    return None if kernel is None else packed_if_agrees(kernel, layer)
+    if kernel is None:
+        return None
+    layout = int4_layout(kernel, layer.weight.device)
+    layout = layout if layout is not None and layout.fits(layer.out_features, layer.in_features) else None
+    return packed_if_agrees(kernel, layer, layout)
 
 
-def packed_if_agrees(kernel: Int4Kernel, layer: QuantizedLinear) -> Optional[Int4Packed]:
-    """`layer` packed for `kernel` if the kernel takes it and gives the exact path's product, else None."""
+def packed_if_agrees(kernel: Int4Kernel, layer: QuantizedLinear, layout: Optional[Int4Layout]):
+    """`layer` packed for `kernel` if the kernel takes it and gives the exact path's product, else None; its layout
+    kept where the first and the last rows' codes read back from the packed bytes."""
     try:
         packed = pack_with(kernel, layer)
     except (RuntimeError, NotImplementedError):  # a kernel not built for this device or layout; sizes it does not
         return None  # take (out not a multiple of 16 on CPU, 8 on CUDA)
-    return packed if packed is not None and agrees(packed, layer) else None
+    if packed is None or not agrees(packed, layer):
+        return None
+    if layout is not None:
+        ends = [(0, layout.rows), (layer.out_features - layout.rows, layer.out_features)]
+        if not all(torch.equal(layout.unpack(packed.weight, layer.out_features, layer.in_features, start, stop),
+                               layer.weight[start:stop]) for start, stop in ends):
+            layout = None
+    return packed._replace(layout=layout)
 
 
 def pack_with(kernel: Int4Kernel, layer: QuantizedLinear) -> Optional[Int4Packed]:
@@ -272,14 +456,13 @@ def pack_with(kernel: Int4Kernel, layer: QuantizedLinear) -> Optional[Int4Packed
         return None
     with torch.no_grad():
         if kernel.layout == "bytes":  # (code & 15) ^ 8 == code + 8 for a 4-bit signed code: both nibbles at once
-            codes = layer.weight.view(torch.uint8) ^ 0x88
+            weight = kernel.convert_packed_input(layer.weight.view(torch.uint8) ^ 0x88)
         else:
-            codes = torch.stack(layer.code_columns(), dim=-1).flatten(-2).to(torch.int32) + 8
-        weight = kernel.convert(codes.contiguous())
+            weight = kernel.convert(torch.stack(layer.code_columns(), dim=-1).flatten(-2).to(torch.uint8) + 8)
         scale = layer.weight_scale.to(torch.bfloat16)
         groups = layer.in_features // group_size
         scales_and_zeros = torch.stack((scale.expand(groups, -1), torch.zeros_like(scale).expand(groups, -1)), dim=-1)
-    return Int4Packed(kernel, weight, group_size, scales_and_zeros.contiguous())
+    return Int4Packed(kernel, weight, group_size, scales_and_zeros.contiguous(), None, leading_bytes(weight))
 
 
 def use_kernel(model: nn.Module, kernel: str, dtype: torch.dtype) -> int:

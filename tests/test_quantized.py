@@ -2,6 +2,8 @@
 the original int4 code's numbers (shared/golden/chatglm2-int4-tiny), keep their weights quantized in memory, save in
 the original's format, and run generate(), chat(), a device map and LoRA. The 8-bit case, and a second 4-bit truth,
 come from the case's fp16 source quantized here with the original's arithmetic (the golden README's formulas)."""
+import copy
+import io
 import json
 import shutil
 
@@ -246,6 +248,146 @@ def test_loading_new_codes_packs_them_again(int4):
     with torch.no_grad():
         layer.load_state_dict(other.state_dict())
         assert layer.packed is not None and torch.equal(layer(x), other(x))
+
+
+# ---- the packed bytes as the only storage (bf16/fp16 models, where the kernel's layout reads back) ----
+
+def stored_codes(folder):
+    return {name: tensor for name, tensor in torch.load(folder / "pytorch_model.bin", weights_only=True).items()
+            if tensor.dtype == torch.int8}
+
+
+def packed_bf16_model(int4):
+    model = load(int4.folder, torch.bfloat16)
+    int4_kernel_or_skip(model)
+    layers = quantized_layers(model)
+    assert all(layer.packed_storage() is not None for layer in layers), [layer.packed for layer in layers]
+    return model
+
+
+def held_bytes(model) -> int:
+    """The distinct storages of the parameters, buffers and packed copies."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for layer in quantized_layers(model) if layer.packed is not None
+                for t in (layer.packed.weight, layer.packed.scales_and_zeros)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def test_a_packed_model_holds_one_copy_of_the_codes_and_reads_them_back(int4):
+    model = packed_bf16_model(int4)
+    codes = stored_codes(int4.folder)
+    int4_bytes = sum(t.numel() for t in codes.values())
+    codes_beside = load(int4.folder, torch.bfloat16)
+    codes_beside.use_quantized_kernel("exact")
+    # the packed bytes replace the codes: only the kernel's scales are added (4 bytes per group of columns)
+    assert held_bytes(model) - held_bytes(codes_beside) <= 0.15 * int4_bytes
+    state = model.state_dict()
+    for name, tensor in codes.items():
+        layer = model.get_submodule(name.rsplit(".", 1)[0])
+        assert not torch.equal(layer.weight, tensor), name  # the storage is the packed layout...
+        assert torch.equal(layer.codes(), tensor) and torch.equal(state[name], tensor), name  # ...read back exactly
+
+
+def test_prompts_on_the_packed_storage_equal_the_exact_path_on_the_codes(int4):
+    """A prompt (more rows than the packed kernel takes) reads the codes back from the packed bytes, block by block:
+    the same logits, bit for bit, as the model holding the codes."""
+    model = packed_bf16_model(int4)
+    reference = load(int4.folder, torch.bfloat16)
+    reference.use_quantized_kernel("exact")
+    rows = companion(model).PACKED_MAX_ROWS
+    for seed in range(2):
+        ids = torch.randint(0, 512, (1, rows + 8), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_a_packed_layer_stays_right_through_copies_moves_and_replacements(int4):
+    model = packed_bf16_model(int4)
+    layer = model.transformer.encoder.layers[0].mlp.dense_h_to_4h
+    codes = layer.codes().clone()
+    x = torch.randn(1, layer.in_features, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x)
+        copied = copy.deepcopy(layer)  # copied (and pickled) as codes, packed again
+        assert copied.packed_storage() is not None and torch.equal(copied.codes(), codes)
+        assert torch.equal(copied(x), expected)
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        buffer.seek(0)
+        assert torch.equal(torch.load(buffer, weights_only=False).codes(), codes)
+        layer.to("meta")  # a move packs again where the layer is now (on meta: nothing to pack)
+        assert layer.packed is None and layer.weight.device.type == "meta"
+        layer = copied
+        # accelerate's set_module_tensor_to_device puts a new tensor in: the packed bytes moved, or codes
+        layer._parameters["weight"] = torch.nn.Parameter(layer.weight.clone(), requires_grad=False)
+        assert torch.equal(layer.codes(), codes) and torch.equal(layer(x), expected)
+        layer._parameters["weight"] = torch.nn.Parameter(codes.clone(), requires_grad=False)
+        assert torch.equal(layer.codes(), codes) and torch.equal(layer.state_dict()["weight"], codes)
+        layer.use_kernel("auto")
+        assert layer.packed_storage() is not None and torch.equal(layer(x), expected)
+        layer.float()  # "auto" in fp32 is the exact path: the codes come back into the weight
+        assert layer.packed is None and torch.equal(layer.weight, codes)
+
+
+def test_where_the_layout_is_not_known_the_codes_stay_beside_the_packed_copy(int4, monkeypatch):
+    model = load(int4.folder, torch.bfloat16)
+    int4_kernel_or_skip(model)
+    monkeypatch.setattr(companion(model), "learn_layout", lambda kernel, device: None)
+    companion(model)._LAYOUTS.clear()
+    try:
+        assert model.use_quantized_kernel("auto") == len(quantized_layers(model))
+        layers = quantized_layers(model)
+        assert all(layer.packed is not None and layer.packed_storage() is None for layer in layers)
+        state = model.state_dict()
+        for name, tensor in stored_codes(int4.folder).items():
+            assert torch.equal(state[name], tensor), name
+    finally:
+        companion(model)._LAYOUTS.clear()
+
+
+def test_the_learned_layout_explains_a_made_up_packing(int4, monkeypatch):
+    """learn_layout recovers a tiling it was not written for (tiles of 8 rows x 16 columns, each tile's values
+    reversed), and finds none in a packing that changes the values."""
+    module = companion(load(int4.folder, torch.bfloat16))
+
+    def tiled(q):
+        out, inputs = q.shape
+        tiles = q.view(out // 8, 8, inputs // 16, 16).transpose(1, 2).reshape(-1, 128).flip(-1)
+        return (tiles[:, 1::2] << 4 | tiles[:, 0::2]).reshape(-1)
+
+    kernel = module.Int4Kernel("made_up", "made_up", "int32", 0)
+    monkeypatch.setattr(module.Int4Kernel, "convert", lambda self, q: tiled(q.to(torch.uint8)))
+    layout = module.learn_layout(kernel, torch.device("cpu"))
+    assert (layout.rows, layout.cols) == (8, 16)
+    codes = torch.randint(-128, 128, (64, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    q = torch.stack(((codes >> 4) + 8, ((codes << 4) >> 4) + 8), dim=-1).flatten(-2).to(torch.uint8)
+    assert torch.equal(layout.unpack(tiled(q), 64, 256), codes)
+    assert torch.equal(layout.unpack(tiled(q), 64, 256, 20, 37), codes[20:37])
+    monkeypatch.setattr(module.Int4Kernel, "convert", lambda self, q: tiled(q.to(torch.uint8) ^ 1))
+    assert module.learn_layout(kernel, torch.device("cpu")) is None
+
+
+def test_lora_trains_on_a_packed_bf16_model_and_leaves_its_codes(int4):
+    peft = optional_package("peft", "peft")
+    model = packed_bf16_model(int4)
+    codes = stored_codes(int4.folder)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["dense_h_to_4h"],
+                                                       init_lora_weights=False))
+    model.train()
+    ids = inputs(int4.expected)[0]
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    base = model.base_model.model
+    for name, tensor in codes.items():
+        layer = base.get_submodule(name.rsplit(".", 1)[0])
+        assert torch.equal(getattr(layer, "base_layer", layer).codes(), tensor), name
 
 
 # ---- memory and storage ----
