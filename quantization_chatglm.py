@@ -28,6 +28,7 @@ grad path), the state dict (so save_pretrained and PEFT see the original's stora
 kernel packs them again). Elsewhere the packed copy is a plain attribute beside the codes.
 """
 
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -42,6 +43,9 @@ PACKED_MAX_ROWS = 32
 # Codes the exact path turns into floats at a time on a CPU: 2 MiB of fp32 stays in a core's cache for its product,
 # where a whole layer's would go out to memory and back (one decode row: 2-6x faster on a 2-core EPYC).
 EXACT_BLOCK = 2 ** 19
+# Devices where a prompt on the packed storage dequantizes the whole weight in one compiled kernel (fused_dequantize):
+# on a GPU the block path's passes over the unpacked codes cost more than the product. A CPU runs the block path.
+FUSED_DEVICES = ("cuda",)
 
 
 class QuantizedLinear(nn.Linear):
@@ -173,9 +177,15 @@ class QuantizedLinear(nn.Linear):
         sums could leave)."""
         inputs = (x,) if self.bits == 8 else (x[..., 0::2], x[..., 1::2])
         scale = self.weight_scale.to(x.dtype)
+        packed = self.packed_storage()
+        if packed is not None and x.device.type in FUSED_DEVICES:
+            weight = fused_dequantize(packed.layout, self.weight, scale, self.out_features, self.in_features, x.dtype)
+            if weight is not None:  # the whole weight from the packed bytes in one compiled kernel, one product
+                out = F.linear(x, weight) * scale if x.dtype == torch.float32 else F.linear(x, weight)
+                return out if bias is None else out + bias
         # CPU: blocks that stay in cache; a GPU streams the whole weight (blocks would only add kernel launches)
         rows = max(1, EXACT_BLOCK // self.weight.shape[1]) if x.device.type == "cpu" else self.out_features
-        blocks, packed = [], self.packed_storage()
+        blocks = []
         for start in range(0, self.out_features, rows):
             block_scale = scale[start:start + rows]
             columns = [c.to(x.dtype) for c in self.block_columns(start, start + rows, packed)]
@@ -310,6 +320,40 @@ class Int4Layout(NamedTuple):
 
     def fits(self, out: int, inputs: int) -> bool:
         return out % self.rows == 0 and inputs % self.cols == 0
+
+
+def dequantize_tiles(data: torch.Tensor, order: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, out: int,
+                     inputs: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [out, inputs] in `dtype` of packed bytes `data` in an Int4Layout, each value found by its tile and
+    nibble: written for torch.compile, which makes it one kernel; eager, it would build [out, inputs] index tensors.
+    In fp32 the scale is left to the product, as the exact path does."""
+    row = torch.arange(out, device=data.device)[:, None]
+    col = torch.arange(inputs, device=data.device)[None, :]
+    slot = (row // rows * (inputs // cols) + col // cols) * (rows * cols) + order[row % rows * cols + col % cols]
+    q = (data[slot // 2] >> slot % 2 * 4) & 15
+    weight = q.to(dtype) - 8
+    return weight if dtype == torch.float32 else weight * scale[:, None]
+
+
+_FUSED = {}  # "dequantize": the compiled dequantize_tiles, or None where compiling failed once
+
+
+def fused_dequantize(layout, weight, scale, out, inputs, dtype) -> Optional[torch.Tensor]:
+    """dequantize_tiles compiled (a GPU's prompt: the exact path's passes over the unpacked codes would cost more than
+    the product), or None where torch.compile cannot run here (no Triton, say): the block path then runs."""
+    if "dequantize" not in _FUSED:
+        _FUSED["dequantize"] = torch.compile(dequantize_tiles, dynamic=False)
+    compiled = _FUSED["dequantize"]
+    if compiled is None:
+        return None
+    data = weight.reshape(-1).view(torch.uint8)
+    try:
+        return compiled(data, layout.order.to(data.device), scale, layout.rows, layout.cols, out, inputs, dtype)
+    except Exception as error:  # torch.compile's failures (a missing compiler, an unsupported GPU) have many types
+        _FUSED["dequantize"] = None
+        warnings.warn(f"int4 prompts take the slower exact path: torch.compile failed ({type(error).__name__}: "
+                      f"{str(error)[:200]})")
+        return None
 
 
 class Int4Packed(NamedTuple):

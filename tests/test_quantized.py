@@ -301,6 +301,38 @@ def test_prompts_on_the_packed_storage_equal_the_exact_path_on_the_codes(int4):
             assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
+def test_a_gpus_compiled_dequantization_is_as_accurate_as_the_exact_path(int4, int4_model, monkeypatch):
+    """On a GPU a prompt dequantizes the packed bytes in one compiled kernel (here run on the CPU): the weight equals
+    the codes' bit for bit, and the bf16 logits are as far from the fp32 model's as the block path's (one product
+    rounds differently from two); where torch.compile fails, a warning and the block path."""
+    model = packed_bf16_model(int4)
+    module = companion(model)
+    rows = module.PACKED_MAX_ROWS
+    ids = torch.randint(0, 512, (1, rows + 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        truth = int4_model(ids).logits
+        blocks = model(ids).logits.float()
+        monkeypatch.setattr(module, "FUSED_DEVICES", ("cpu",))
+        monkeypatch.setitem(module._FUSED, "dequantize", torch.compile(module.dequantize_tiles, dynamic=False))
+        layer = quantized_layers(model)[0]
+        scale = layer.weight_scale.to(torch.bfloat16)
+        weight = module.fused_dequantize(layer.packed.layout, layer.weight, scale, layer.out_features,
+                                         layer.in_features, torch.bfloat16)
+        assert torch.equal(weight, layer.dequantized_weight(torch.bfloat16))
+        fused = model(ids).logits.float()
+        assert not torch.equal(fused, blocks)  # the compiled path ran
+        for error in (torch.amax, torch.mean):
+            assert error((fused - truth).abs()) <= 1.25 * error((blocks - truth).abs())
+
+        def failing(*args):
+            raise RuntimeError("no compiler")
+
+        monkeypatch.setitem(module._FUSED, "dequantize", failing)
+        with pytest.warns(UserWarning, match="slower exact path: torch.compile failed.*no compiler"):
+            assert torch.equal(model(ids).logits.float(), blocks)
+        assert module._FUSED["dequantize"] is None
+
+
 def test_a_packed_layer_stays_right_through_copies_moves_and_replacements(int4):
     model = packed_bf16_model(int4)
     layer = model.transformer.encoder.layers[0].mlp.dense_h_to_4h
