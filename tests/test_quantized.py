@@ -379,7 +379,8 @@ def test_where_the_layout_is_not_known_the_codes_stay_beside_the_packed_copy(int
 
 def test_the_learned_layout_explains_a_made_up_packing(int4, monkeypatch):
     """learn_layout recovers a tiling it was not written for (tiles of 8 rows x 16 columns, each tile's values
-    reversed), and finds none in a packing that changes the values."""
+    reversed; a GPU's tiles have several columns too), which unpack and dequantize_tiles then read; it finds none in
+    a packing that changes the values."""
     module = companion(load(int4.folder, torch.bfloat16))
 
     def tiled(q):
@@ -395,6 +396,10 @@ def test_the_learned_layout_explains_a_made_up_packing(int4, monkeypatch):
     q = torch.stack(((codes >> 4) + 8, ((codes << 4) >> 4) + 8), dim=-1).flatten(-2).to(torch.uint8)
     assert torch.equal(layout.unpack(tiled(q), 64, 256), codes)
     assert torch.equal(layout.unpack(tiled(q), 64, 256, 20, 37), codes[20:37])
+    # the GPU's compiled dequantization reads the same tiles (eager here: the index tensors are small)
+    scale = torch.rand(64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    weight = module.dequantize_tiles(tiled(q), layout.order, scale, 8, 16, 64, 256, torch.bfloat16)
+    assert torch.equal(weight, (q.to(torch.bfloat16) - 8) * scale[:, None])
     monkeypatch.setattr(module.Int4Kernel, "convert", lambda self, q: tiled(q.to(torch.uint8) ^ 1))
     assert module.learn_layout(kernel, torch.device("cpu")) is None
 

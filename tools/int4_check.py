@@ -7,9 +7,9 @@ original's codes back bit for bit wherever something reads them. Prints a table;
 
 Each row, for one layer [out, in]: the layout learned for the device's kernel (tile rows x columns; none: the codes are
 kept beside the packed copy), the bytes held against the codes alone, the codes read back and the state dict against
-the original codes, the exact path (prompts, training) on the packed storage against the exact path on the codes, the
-packed kernel's decode row against the exact path (within bf16's rounding), and the codes after a move to the CPU
-and back and after a deepcopy.
+the original codes, a prompt's weight (on a GPU dequantized from the packed bytes by one compiled kernel) against the
+codes' bit for bit, a prompt's and a decode row's products against the exact path on the codes (within bf16's
+rounding), and the codes after a move to the CPU and back and after a deepcopy.
 """
 import argparse
 import copy
@@ -42,26 +42,36 @@ def check_layer(quantization, out: int, inputs: int, device: str) -> dict:
     x_decode = torch.randn(1, 1, inputs, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         exact_prompt, exact_decode = layer(x_prompt), layer.exact_forward(x_decode, layer.bias)
+        scale = layer.weight_scale.to(torch.bfloat16)
+        dequantized = layer.dequantized_weight(torch.bfloat16)
         packed_ready = layer.use_kernel("packed")
         layout = layer.packed.layout if packed_ready else None
         row = {"shape": f"{out}x{inputs}", "packed": packed_ready,
                "layout": f"{layout.rows}x{layout.cols}" if layout is not None else "none",
                "held / codes": held_bytes(layer) / codes.numel(),
                "codes read back": torch.equal(layer.codes(), codes),
-               "state dict": torch.equal(layer.state_dict()["weight"], codes),
-               "prompt (exact path)": torch.equal(layer(x_prompt), exact_prompt)}
-        decode = layer(x_decode).float()
-        scale = exact_decode.float().abs().max().item()
-        row["decode vs exact"] = (decode - exact_decode.float()).abs().max().item() / scale
+               "state dict": torch.equal(layer.state_dict()["weight"], codes)}
+        # a prompt's weight: on a GPU the compiled dequantization of the packed bytes, else the codes read back
+        fused = layout is not None and torch.device(device).type in quantization.FUSED_DEVICES
+        weight = (quantization.fused_dequantize(layout, layer.weight, scale, out, inputs, torch.bfloat16) if fused
+                  else layer.dequantized_weight(torch.bfloat16))
+        row["prompt weight"] = weight is not None and torch.equal(weight, dequantized)
+        row["prompt vs exact"] = relative_difference(layer(x_prompt), exact_prompt)  # one product against two
+        row["decode vs exact"] = relative_difference(layer(x_decode), exact_decode)
         layer.cpu()
         row["to cpu"] = torch.equal(layer.codes(), codes.cpu())
         layer.to(device)
         row["and back"] = torch.equal(layer.codes(), codes) and (layer.packed is not None) == packed_ready
         row["deepcopy"] = torch.equal(copy.deepcopy(layer).codes(), codes)
-    row["ok"] = (packed_ready and all(row[key] for key in ("codes read back", "state dict", "prompt (exact path)",
-                                                             "to cpu", "and back", "deepcopy"))
-                 and row["decode vs exact"] < 0.05)
+    row["ok"] = (packed_ready and all(row[key] for key in ("codes read back", "state dict", "prompt weight", "to cpu",
+                                                             "and back", "deepcopy"))
+                 and row["prompt vs exact"] < 0.05 and row["decode vs exact"] < 0.05)
     return row
+
+
+def relative_difference(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest difference, against the reference's largest magnitude (bf16: about 1e-2)."""
+    return (value.float() - reference.float()).abs().max().item() / reference.float().abs().max().item()
 
 
 def main(argv=None) -> int:
