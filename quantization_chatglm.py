@@ -202,9 +202,9 @@ class QuantizedLinear(nn.Linear):
     def _apply(self, fn, recurse=True):
         """A move (or a dtype change that switches "auto") packs again for where the layer is now: a packed layout
         is its device's kernel's, and the codes are read back from the bytes moved."""
-        packed, stored, before = self.packed, self.packed_storage(), (self.weight.data_ptr(), self.computes_half())
+        stored, before = self.packed_storage(), self.storage_state()
         super()._apply(fn, recurse)
-        if packed is None or (self.weight.data_ptr(), self.computes_half()) == before:
+        if self.storage_state() == before:
             return self
         with torch.no_grad():
             if stored is not None:
@@ -238,8 +238,9 @@ class QuantizedLinear(nn.Linear):
         if pack_again:
             self.use_kernel(self.kernel)
 
-    def computes_half(self) -> bool:
-        return self.weight_scale.dtype in (torch.bfloat16, torch.float16)
+    def storage_state(self) -> tuple:
+        """What a move or a dtype change alters that the packing depends on."""
+        return self.weight.device, self.weight.data_ptr(), self.weight_scale.dtype in (torch.bfloat16, torch.float16)
 
     def reset_parameters(self):  # nn.Linear's would draw float values into the int8 codes
         self.release_packed()

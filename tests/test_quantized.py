@@ -361,6 +361,27 @@ def test_a_packed_layer_stays_right_through_copies_moves_and_replacements(int4):
         assert layer.packed is None and torch.equal(layer.weight, codes)
 
 
+def test_a_packed_model_moved_to_another_device_and_back_keeps_its_codes_and_kernel(int4):
+    """model.to() carries the packed bytes, reads the codes back from them on the new device and packs them again
+    for that device's kernel (a virtual device has none: the exact path), and again on the way back."""
+    model = packed_bf16_model(int4)
+    codes = stored_codes(int4.folder)
+    ids = inputs(int4.expected)[0]
+    with torch.no_grad():
+        expected = model(ids).logits
+        with virtual_devices(1) as devices:
+            model.to(devices[0])
+            for name, tensor in codes.items():
+                layer = model.get_submodule(name.rsplit(".", 1)[0])
+                assert layer.packed is None and torch.equal(layer.weight.cpu(), tensor), name
+            exact = model(ids.to(devices[0])).logits.cpu()
+            model.to("cpu")
+        assert all(layer.packed_storage() is not None for layer in quantized_layers(model))
+        assert torch.equal(model(ids).logits, expected)
+        assert torch.equal(model.state_dict()[next(iter(codes))], next(iter(codes.values())))
+    torch.testing.assert_close(exact.float(), expected.float(), atol=0.05 * expected.abs().max().item(), rtol=0)
+
+
 def test_where_the_layout_is_not_known_the_codes_stay_beside_the_packed_copy(int4, monkeypatch):
     model = load(int4.folder, torch.bfloat16)
     int4_kernel_or_skip(model)

@@ -212,7 +212,7 @@ def _run_on_host(op, info: _OpInfo, args, kwargs):
         outs.append((host, t))
         return host
 
-    host_args = tuple(_map_tensors(alias, a) for a in args)
+    host_args = tuple(_map_tensors(alias, a) for a in _numbers_as_tensors(op, args))
     host_kwargs = {k: _map_tensors(fresh_out if k in info.out_arguments else alias, v) for k, v in kwargs.items()}
     result = op(*host_args, **host_kwargs)
     for host, device_out in outs:
@@ -228,6 +228,14 @@ def _run_on_host(op, info: _OpInfo, args, kwargs):
     if isinstance(result, (list, tuple)):
         return type(result)(to_device(t) if isinstance(t, torch.Tensor) else t for t in result)
     return to_device(result) if isinstance(result, torch.Tensor) else result
+
+
+def _numbers_as_tensors(op, args) -> tuple:
+    """The arguments, with a Python number where the schema wants a Tensor made a 0-dim tensor again: torch passes
+    the scalar of `t & 15` to the Tensor overload as a wrapped number, which boxing into Python turns into an int."""
+    schema = op._schema.arguments
+    return tuple(torch.tensor(a) if isinstance(a, (bool, int, float)) and i < len(schema)
+                 and isinstance(schema[i].type, torch.TensorType) else a for i, a in enumerate(args))
 
 
 def _store_into(device_out: torch.Tensor, host: torch.Tensor) -> None:
