@@ -16,16 +16,17 @@ The weights stay quantized in memory. Two ways to multiply by them (`QuantizedLi
           time and multiplied, the per-row scale applied to the product in fp32 (the sum regrouped: within 1e-6
           relative of the original's CPU path, which scales the weight first), to the weight in fp16/bf16 (whose
           range the unscaled sums could leave).
-  packed  int4 only: torch's weight-only int4 matrix product (tinygemm on CUDA, its CPU twin) on a copy of the codes
-          packed for it at load, bf16 activations. For a few rows (decode), where the exact path spends its time
-          turning codes into floats; more rows (prefill) take the exact path. The default for a bf16/fp16 model
-          where the running torch has the kernel for the device; an opt-in for fp32 (ChatGLMPreTrainedModel.
+  packed  int4 only: torch's weight-only int4 matrix product (tinygemm on CUDA, its CPU twin) on the codes packed
+          for it at load, bf16 activations. For a few rows (decode), where the exact path spends its time turning
+          codes into floats; more rows (prefill) take the exact path. The default for a bf16/fp16 model where the
+          running torch has the kernel for the device; an opt-in for fp32 (ChatGLMPreTrainedModel.
           use_quantized_kernel), with bf16's rounding of the activations (README: measured deviation).
-Where the kernel's layout can be read back exactly (learned once per device by packing a probe, then checked on each
-layer), the packed bytes replace the codes in `weight`'s storage: the model holds one copy, about a quarter of fp16's
-bytes for these layers. The codes are rebuilt from them where something needs them: the exact path (prompts, the
-grad path), the state dict (so save_pretrained and PEFT see the original's storage), a move to another device (whose
-kernel packs them again). Elsewhere the packed copy is a plain attribute beside the codes.
+Where the kernel's layout can be read back exactly (learned once per device type by packing a probe, then checked on
+each layer), the packed bytes replace the codes in `weight`'s storage: the model holds one copy, about a quarter of
+fp16's bytes for these layers. The codes are rebuilt from them where something reads them: the exact path (prompts,
+the grad path; on a GPU one compiled kernel dequantizes the whole weight), the state dict (so save_pretrained and PEFT
+see the original's storage), pickling, a move to another device (whose kernel packs them again). Elsewhere the packed
+copy is a plain attribute beside the codes.
 """
 
 import warnings
@@ -116,7 +117,8 @@ class QuantizedLinear(nn.Linear):
         """code_columns of rows [start, stop), read from the packed bytes `packed` where they are the storage."""
         if packed is None:
             return self.code_columns(self.weight[start:stop])
-        signed = packed.layout.values(self.weight, self.out_features, self.in_features, start, stop).view(torch.int8) - 8
+        q = packed.layout.values(self.weight, self.out_features, self.in_features, start, stop)
+        signed = q.view(torch.int8) - 8
         return signed[:, 0::2], signed[:, 1::2]
 
     def code_columns(self, codes: Optional[torch.Tensor] = None) -> tuple:
@@ -326,8 +328,8 @@ class Int4Layout(NamedTuple):
 def dequantize_tiles(data: torch.Tensor, order: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, out: int,
                      inputs: int, dtype: torch.dtype) -> torch.Tensor:
     """The weight [out, inputs] in `dtype` of packed bytes `data` in an Int4Layout, each value found by its tile and
-    nibble: written for torch.compile, which makes it one kernel; eager, it would build [out, inputs] index tensors.
-    In fp32 the scale is left to the product, as the exact path does."""
+    nibble. Written for torch.compile, which makes it one kernel (compiled_dequantize); eager, it builds [out, inputs]
+    index tensors. In fp32 the scale is left to the product, as the exact path does."""
     row = torch.arange(out, device=data.device)[:, None]
     col = torch.arange(inputs, device=data.device)[None, :]
     slot = (row // rows * (inputs // cols) + col // cols) * (rows * cols) + order[row % rows * cols + col % cols]
@@ -336,20 +338,36 @@ def dequantize_tiles(data: torch.Tensor, order: torch.Tensor, scale: torch.Tenso
     return weight if dtype == torch.float32 else weight * scale[:, None]
 
 
-_FUSED = {}  # "dequantize": the compiled dequantize_tiles, or None where compiling failed once
+class NotCompiled(RuntimeError):
+    """compiled_dequantize ran eagerly: torch.compile gave up on it (its limit of recompilations, say)."""
+
+
+def compiled_dequantize(*args) -> torch.Tensor:
+    if not torch.compiler.is_compiling():  # eager, dequantize_tiles would take several times the weight's memory
+        raise NotCompiled
+    return dequantize_tiles(*args)
+
+
+_FUSED = {}  # "dequantize": compiled_dequantize compiled, or None where compiling failed once
 
 
 def fused_dequantize(layout, weight, scale, out, inputs, dtype) -> Optional[torch.Tensor]:
-    """dequantize_tiles compiled (a GPU's prompt: the exact path's passes over the unpacked codes would cost more than
-    the product), or None where torch.compile cannot run here (no Triton, say): the block path then runs."""
+    """dequantize_tiles in one compiled kernel (a GPU's prompt: the block path's passes over the unpacked codes would
+    cost more than the product), or None where torch.compile cannot make it (no Triton, say: a warning, once) or
+    gives up on a shape: the block path then runs. One kernel per layer shape and dtype: sizes known when compiling
+    make the index arithmetic about twice as fast as symbolic ones."""
     if "dequantize" not in _FUSED:
-        _FUSED["dequantize"] = torch.compile(dequantize_tiles, dynamic=False)
+        _FUSED["dequantize"] = torch.compile(compiled_dequantize, dynamic=False)
     compiled = _FUSED["dequantize"]
     if compiled is None:
         return None
     data = weight.reshape(-1).view(torch.uint8)
     try:
-        return compiled(data, layout.order.to(data.device), scale, layout.rows, layout.cols, out, inputs, dtype)
+        # (a plain tensor, not the scale Parameter itself, which torch.compile would guard as a parameter)
+        return compiled(data, layout.order.to(data.device), scale.detach(), layout.rows, layout.cols, out, inputs,
+                        dtype)
+    except NotCompiled:
+        return None
     except Exception as error:  # torch.compile's failures (a missing compiler, an unsupported GPU) have many types
         _FUSED["dequantize"] = None
         warnings.warn(f"int4 prompts take the slower exact path: torch.compile failed ({type(error).__name__}: "

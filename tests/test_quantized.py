@@ -6,6 +6,7 @@ import copy
 import io
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -304,7 +305,8 @@ def test_prompts_on_the_packed_storage_equal_the_exact_path_on_the_codes(int4):
 def test_a_gpus_compiled_dequantization_is_as_accurate_as_the_exact_path(int4, int4_model, monkeypatch):
     """On a GPU a prompt dequantizes the packed bytes in one compiled kernel (here run on the CPU): the weight equals
     the codes' bit for bit, and the bf16 logits are as far from the fp32 model's as the block path's (one product
-    rounds differently from two); where torch.compile fails, a warning and the block path."""
+    rounds differently from two); where torch.compile fails, a warning and the block path, and where it gives up on a
+    shape, the block path."""
     model = packed_bf16_model(int4)
     module = companion(model)
     rows = module.PACKED_MAX_ROWS
@@ -313,7 +315,7 @@ def test_a_gpus_compiled_dequantization_is_as_accurate_as_the_exact_path(int4, i
         truth = int4_model(ids).logits
         blocks = model(ids).logits.float()
         monkeypatch.setattr(module, "FUSED_DEVICES", ("cpu",))
-        monkeypatch.setitem(module._FUSED, "dequantize", torch.compile(module.dequantize_tiles, dynamic=False))
+        monkeypatch.setitem(module._FUSED, "dequantize", torch.compile(module.compiled_dequantize, dynamic=False))
         layer = quantized_layers(model)[0]
         scale = layer.weight_scale.to(torch.bfloat16)
         weight = module.fused_dequantize(layer.packed.layout, layer.weight, scale, layer.out_features,
@@ -323,6 +325,14 @@ def test_a_gpus_compiled_dequantization_is_as_accurate_as_the_exact_path(int4, i
         assert not torch.equal(fused, blocks)  # the compiled path ran
         for error in (torch.amax, torch.mean):
             assert error((fused - truth).abs()) <= 1.25 * error((blocks - truth).abs())
+
+        # torch.compile giving up on a shape runs the function eagerly, which would take several times the weight's
+        # memory: the block path instead, and the compiled one stays for the other shapes
+        monkeypatch.setitem(module._FUSED, "dequantize", module.compiled_dequantize)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(model(ids).logits.float(), blocks)
+        assert module._FUSED["dequantize"] is module.compiled_dequantize
 
         def failing(*args):
             raise RuntimeError("no compiler")
