@@ -548,6 +548,26 @@ def test_gpu_check_script_runs_on_a_cpu_only_machine(tmp_path):
     assert [r["family"] for r in data] == ["glm4", "chatglm3"] and all(r["ok"] for r in data)
 
 
+def test_int4_check_script_runs_on_a_cpu_only_machine(tmp_path):
+    """tools/int4_check.py (in scripts/gpu_checks.sh) on the CPU's kernel: a layer whose rows fill the kernel's tiles
+    holds one copy, one that does not keeps its codes beside; both read their codes back."""
+    rows = tmp_path / "rows.json"
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "int4_check.py"), "--device", "cpu", "--shapes",
+                             "256x128", "80x128", "--json", str(rows)], capture_output=True, text=True, timeout=600)
+    sys.path.insert(0, str(REPO))
+    try:
+        import quantization_chatglm
+        if quantization_chatglm.int4_kernel(torch.device("cpu")) is None:
+            assert result.returncode == 1 and "| False |" in result.stdout  # nothing packed: the rows say so
+            pytest.skip(f"torch {torch.__version__} has no int4 kernel for the CPU")
+    finally:
+        sys.path.remove(str(REPO))
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    filled, partial = json.loads(rows.read_text())
+    assert filled["layout"] != "none" and filled["held / codes"] < 1.2 and filled["ok"]
+    assert partial["layout"] == "none" and partial["held / codes"] > 1.9 and partial["ok"]
+
+
 GPU_CHECK_ON_CPU = [sys.executable, str(REPO / "tools" / "gpu_check.py"), "--splits", "cpu,cpu", "--attn", "sdpa"]
 
 
