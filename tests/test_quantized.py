@@ -392,6 +392,28 @@ def test_a_packed_model_moved_to_another_device_and_back_keeps_its_codes_and_ker
     torch.testing.assert_close(exact.float(), expected.float(), atol=0.05 * expected.abs().max().item(), rtol=0)
 
 
+def test_a_packed_model_with_a_layer_offloaded_to_disk_computes_what_one_device_does(int4, tmp_path):
+    """accelerate's disk offload: the offloaded layer is on meta when the model packs (it keeps its codes, which the
+    hook brings in for each call: the exact path), the others pack; prompts and generate() as one device's, the
+    packed layers' codes in the state dict."""
+    model = packed_bf16_model(int4)
+    device_map = {"transformer.embedding": "cpu", "transformer.rotary_pos_emb": "cpu",
+                  "transformer.encoder.layers.0": "cpu", "transformer.encoder.layers.1": "disk",
+                  "transformer.encoder.final_layernorm": "cpu", "transformer.output_layer": "cpu"}
+    offloaded = load(int4.folder, torch.bfloat16, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    layers = offloaded.transformer.encoder.layers
+    assert all(layer.packed_storage() is not None for layer in quantized_layers(layers[0]))
+    assert all(layer.weight.device.type == "meta" and layer.packed is None for layer in quantized_layers(layers[1]))
+    ids = torch.randint(0, 512, (1, companion(model).PACKED_MAX_ROWS + 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(offloaded(ids).logits, model(ids).logits)
+        assert torch.equal(offloaded.generate(ids[:, :5], max_new_tokens=6, do_sample=False, eos_token_id=None),
+                           model.generate(ids[:, :5], max_new_tokens=6, do_sample=False, eos_token_id=None))
+    state = offloaded.state_dict()  # (the offloaded layer's entries are accelerate's meta placeholders)
+    held = {name: tensor for name, tensor in stored_codes(int4.folder).items() if ".layers.0." in name}
+    assert held and all(torch.equal(state[name], tensor) for name, tensor in held.items())
+
+
 def test_where_the_layout_is_not_known_the_codes_stay_beside_the_packed_copy(int4, monkeypatch):
     model = load(int4.folder, torch.bfloat16)
     int4_kernel_or_skip(model)
