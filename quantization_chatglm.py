@@ -47,6 +47,7 @@ EXACT_BLOCK = 2 ** 19
 # Devices where a prompt on the packed storage dequantizes the whole weight in one compiled kernel (fused_dequantize):
 # on a GPU the block path's passes over the unpacked codes cost more than the product. A CPU runs the block path.
 FUSED_DEVICES = ("cuda",)
+HALF_TYPES = (torch.bfloat16, torch.float16)  # where "auto" packs
 
 
 class QuantizedLinear(nn.Linear):
@@ -144,7 +145,7 @@ class QuantizedLinear(nn.Linear):
             raise ValueError(f"kernel={kernel!r}: choose one of {KERNELS}.")
         self.release_packed()
         self.kernel = kernel
-        half = (dtype or self.weight_scale.dtype) in (torch.bfloat16, torch.float16)
+        half = (dtype or self.weight_scale.dtype) in HALF_TYPES
         wanted = kernel == "packed" or (kernel == "auto" and half)
         if wanted and self.bits == 4 and self.weight.device.type != "meta":
             self.packed = pack_int4(self)
@@ -177,7 +178,6 @@ class QuantizedLinear(nn.Linear):
         multiplies its own input columns (4 bits: even and odd), a block of rows at a time (EXACT_BLOCK), the
         per-row scale applied to the product in fp32 and to the weight in a half type (whose range the unscaled
         sums could leave)."""
-        inputs = (x,) if self.bits == 8 else (x[..., 0::2], x[..., 1::2])
         scale = self.weight_scale.to(x.dtype)
         packed = self.packed_storage()
         if packed is not None and x.device.type in FUSED_DEVICES:
@@ -185,6 +185,7 @@ class QuantizedLinear(nn.Linear):
             if weight is not None:  # the whole weight from the packed bytes in one compiled kernel, one product
                 out = F.linear(x, weight) * scale if x.dtype == torch.float32 else F.linear(x, weight)
                 return out if bias is None else out + bias
+        inputs = (x,) if self.bits == 8 else (x[..., 0::2], x[..., 1::2])
         # CPU: blocks that stay in cache; a GPU streams the whole weight (blocks would only add kernel launches)
         rows = max(1, EXACT_BLOCK // self.weight.shape[1]) if x.device.type == "cpu" else self.out_features
         blocks = []
@@ -242,7 +243,7 @@ class QuantizedLinear(nn.Linear):
 
     def storage_state(self) -> tuple:
         """What a move or a dtype change alters that the packing depends on."""
-        return self.weight.device, self.weight.data_ptr(), self.weight_scale.dtype in (torch.bfloat16, torch.float16)
+        return self.weight.device, self.weight.data_ptr(), self.weight_scale.dtype in HALF_TYPES
 
     def reset_parameters(self):  # nn.Linear's would draw float values into the int8 codes
         self.release_packed()
@@ -285,8 +286,7 @@ class Int4Kernel(NamedTuple):
 
     def convert(self, q: torch.Tensor) -> torch.Tensor:
         """The packed weight of q = code + 8 (uint8 [out, in], 0..15)."""
-        q = (q[:, 0::2] << 4) | q[:, 1::2] if self.layout == "bytes" else q.to(torch.int32)
-        return self.convert_packed_input(q)
+        return self.convert_packed_input(nibble_pairs(q) if self.layout == "bytes" else q.to(torch.int32))
 
     def convert_packed_input(self, codes: torch.Tensor) -> torch.Tensor:
         return getattr(torch.ops.aten, self.convert_name)(codes.contiguous(), self.inner_k_tiles)
@@ -307,7 +307,7 @@ class Int4Layout(NamedTuple):
     def unpack(self, packed: torch.Tensor, out: int, inputs: int, start: int = 0, stop: Optional[int] = None):
         """The original's codes (int8 [stop - start, inputs / 2]) of rows [start, stop) of `packed`."""
         q = self.values(packed, out, inputs, start, stop)
-        return (((q[:, 0::2] << 4) | q[:, 1::2]) ^ 0x88).view(torch.int8)
+        return (nibble_pairs(q) ^ 0x88).view(torch.int8)
 
     def values(self, packed: torch.Tensor, out: int, inputs: int, start: int = 0, stop: Optional[int] = None):
         """q = code + 8 (uint8 [stop - start, inputs]) of rows [start, stop) of `packed`: the tile rows holding them
@@ -392,6 +392,16 @@ class Int4Packed(NamedTuple):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def code_values(codes: torch.Tensor) -> torch.Tensor:
+    """q = code + 8 (uint8 [rows, in], 0..15) of the original's 4-bit storage (int8 [rows, in / 2])."""
+    return torch.stack(((codes >> 4) + 8, ((codes << 4) >> 4) + 8), dim=-1).flatten(-2).to(torch.uint8)
+
+
+def nibble_pairs(q: torch.Tensor) -> torch.Tensor:
+    """Each two columns of `q` in one byte, the even one high (q ^ 0x88 of it: the original's codes)."""
+    return (q[:, 0::2] << 4) | q[:, 1::2]
+
+
 def nibbles(data: torch.Tensor) -> torch.Tensor:
     """The 4-bit values of uint8 `data`, each byte's low one first."""
     return torch.stack((data & 15, data >> 4), dim=-1).view(-1)
@@ -467,8 +477,8 @@ def learn_layout(kernel: Int4Kernel, device: torch.device, out: int = 128, input
             # a packing that also changed the values (q ^ 1, say) would spell positions too: random codes tell
             codes = torch.randint(-128, 128, (out, inputs // 2), dtype=torch.int8,
                                   generator=torch.Generator().manual_seed(0)).to(device)
-            q = torch.stack(((codes >> 4) + 8, ((codes << 4) >> 4) + 8), dim=-1).flatten(-2).to(torch.uint8)
-            return layout if torch.equal(layout.unpack(kernel.convert(q), out, inputs), codes) else None
+            unpacked = layout.unpack(kernel.convert(code_values(codes)), out, inputs)
+            return layout if torch.equal(unpacked, codes) else None
     return None
 
 
@@ -521,7 +531,7 @@ def pack_with(kernel: Int4Kernel, layer: QuantizedLinear) -> Optional[Int4Packed
         if kernel.layout == "bytes":  # (code & 15) ^ 8 == code + 8 for a 4-bit signed code: both nibbles at once
             weight = kernel.convert_packed_input(layer.weight.view(torch.uint8) ^ 0x88)
         else:
-            weight = kernel.convert(torch.stack(layer.code_columns(), dim=-1).flatten(-2).to(torch.uint8) + 8)
+            weight = kernel.convert(code_values(layer.weight))
         scale = layer.weight_scale.to(torch.bfloat16)
         groups = layer.in_features // group_size
         scales_and_zeros = torch.stack((scale.expand(groups, -1), torch.zeros_like(scale).expand(groups, -1)), dim=-1)

@@ -60,7 +60,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-from chatglm_tools import CODE_FILES, kv_cache, native_glm  # noqa: E402
+from chatglm_tools import CODE_FILES, held_bytes, kv_cache, native_glm  # noqa: E402
 
 TRANSFORMERS = Version(transformers.__version__)
 HAS_NATIVE = hasattr(transformers, "GlmForCausalLM")
@@ -473,20 +473,6 @@ def int4_variants(model, device: str) -> dict:
     return variants
 
 
-def held_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-
-def int4_held_bytes(model) -> int:
-    """The distinct storages of parameters, buffers and the int4 layers' packed copies (plain attributes, which
-    neither counts; their bytes are the weight's own where they replaced the codes)."""
-    packed = [t for m in model.modules() if getattr(m, "packed", None) is not None
-              for t in (m.packed.weight, m.packed.scales_and_zeros)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers(), *packed]}
-    return sum(storages.values())
-
-
 def int4(results, models, args, clock):
     """A pre-quantized int4 model (chatglm2-6b-int4's storage) on each kernel against its float twin (int4_variants),
     every ratio in one run: bytes held against the twin in fp16 (target <= 0.35x: ratio >= 2.86), decode bs=1 (target
@@ -503,7 +489,7 @@ def int4(results, models, args, clock):
     for name, model in variants.items():
         if name.startswith("packed"):
             results.add("int4", f"int4 {name}: held (parameters, buffers, packed bytes) vs the same weights in fp16",
-                        "MiB", {"fork": [int4_held_bytes(model) / MIB], "native": [fp16_bytes / MIB]},
+                        "MiB", {"fork": [held_bytes(model) / MIB], "native": [fp16_bytes / MIB]},
                         note="target ratio >= 2.86 (0.35x of fp16)")
     context = args.contexts[0]
     times = decode_step_times(variants, args, clock, "dynamic", 1, context)

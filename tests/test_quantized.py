@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from chatglm_tools import copy_code_into, device_check
+from chatglm_tools import copy_code_into, device_check, held_bytes
 from conftest import dtype_kwarg, make_golden_case, optional_package, shared_path
 from safetensors.torch import load_file
 from virtual_devices import virtual_devices
@@ -264,14 +264,6 @@ def packed_bf16_model(int4):
     layers = quantized_layers(model)
     assert all(layer.packed_storage() is not None for layer in layers), [layer.packed for layer in layers]
     return model
-
-
-def held_bytes(model) -> int:
-    """The distinct storages of the parameters, buffers and packed copies."""
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for layer in quantized_layers(model) if layer.packed is not None
-                for t in (layer.packed.weight, layer.packed.scales_and_zeros)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def test_a_packed_model_holds_one_copy_of_the_codes_and_reads_them_back(int4):

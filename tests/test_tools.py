@@ -19,6 +19,7 @@ from conftest import CODE_FILES, REPO, TRANSFORMERS, load_causal_lm, shared_path
 from packaging.version import Version
 
 import install_into_checkpoint as installer
+from chatglm_tools import repository_module
 from chatglm_tools.folder_transaction import JOURNAL, MANIFEST, ORIGINALS, TRANSACTION, fork_version
 from tool_faults import (
     ORIGINAL_CODE, FaultyDisk, byte_budgets, checkpoint_files, dangling_links, folder_state, hub_cache, run_tool,
@@ -554,14 +555,9 @@ def test_int4_check_script_runs_on_a_cpu_only_machine(tmp_path):
     rows = tmp_path / "rows.json"
     result = subprocess.run([sys.executable, str(REPO / "tools" / "int4_check.py"), "--device", "cpu", "--shapes",
                              "256x128", "80x128", "--json", str(rows)], capture_output=True, text=True, timeout=600)
-    sys.path.insert(0, str(REPO))
-    try:
-        import quantization_chatglm
-        if quantization_chatglm.int4_kernel(torch.device("cpu")) is None:
-            assert result.returncode == 1 and "| False |" in result.stdout  # nothing packed: the rows say so
-            pytest.skip(f"torch {torch.__version__} has no int4 kernel for the CPU")
-    finally:
-        sys.path.remove(str(REPO))
+    if repository_module("quantization_chatglm").int4_kernel(torch.device("cpu")) is None:
+        assert result.returncode == 1 and "| False |" in result.stdout  # nothing packed: the rows say so
+        pytest.skip(f"torch {torch.__version__} has no int4 kernel for the CPU")
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     filled, partial = json.loads(rows.read_text())
     assert filled["layout"] != "none" and filled["held / codes"] < 1.2 and filled["ok"]

@@ -21,20 +21,11 @@ from pathlib import Path
 
 import torch
 
-from chatglm_tools import REPO
+from chatglm_tools import REPO, held_bytes, repository_module
 
 CHATGLM2_6B_SHAPES = ("4608x4096", "4096x4096", "27392x4096", "4096x13696")  # query_key_value .. dense_4h_to_h
 CHATGLM2_6B = dict(num_layers=28, hidden_size=4096, num_attention_heads=32, kv_channels=128, multi_query_group_num=2,
                    ffn_hidden_size=13696, padded_vocab_size=65024, seq_length=32768)
-
-
-def held_bytes(layer) -> int:
-    """Bytes of the layer's distinct storages: parameters and the packed copy (which may share the weight's)."""
-    tensors = [*layer.parameters()]
-    if layer.packed is not None:
-        tensors += [layer.packed.weight, layer.packed.scales_and_zeros]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
 
 
 def check_layer(quantization, out: int, inputs: int, device: str) -> dict:
@@ -109,10 +100,7 @@ def whole_model(device: str) -> dict:
     quantized = {id(layer.weight) for layer in layers} | {id(layer.weight_scale) for layer in layers}
     fp16 = sum(2 * p.numel() for p in model.parameters() if id(p) not in quantized)
     fp16 += sum(2 * layer.in_features * layer.out_features for layer in layers)
-    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers()]
-                + [t for layer in layers if layer.packed is not None
-                   for t in (layer.packed.weight, layer.packed.scales_and_zeros)]}.values())
+    held = held_bytes(model)
     packed = sum(layer.packed_storage() is not None for layer in layers)
     return {"parameters": sum(p.numel() for p in model.parameters()) - sum(layer.weight.numel() for layer in layers)
             + sum(layer.in_features * layer.out_features for layer in layers),
@@ -129,8 +117,7 @@ def main(argv=None) -> int:
                              "host memory on a CPU; target <= 0.35)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO))
-    import quantization_chatglm as quantization
+    quantization = repository_module("quantization_chatglm")
 
     print(f"torch {torch.__version__}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))

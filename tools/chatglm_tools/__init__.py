@@ -41,6 +41,15 @@ def copy_code_into(folder: Path) -> Path:
     return folder
 
 
+def held_bytes(module) -> int:
+    """The bytes `module` holds: the distinct storages of its parameters, buffers and pre-quantized layers' packed
+    copies (plain attributes, which neither lists; their bytes are the weight's own where they replaced the codes)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [t for m in module.modules() if getattr(m, "packed", None) is not None
+                for t in (m.packed.weight, m.packed.scales_and_zeros)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def repository_module(name: str):
     """A top-level file of this repository imported as a plain module (the tools read tokenization_chatglm.py so)."""
     if str(REPO) not in sys.path:
