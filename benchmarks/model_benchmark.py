@@ -432,7 +432,8 @@ def int4_pair(model) -> dict:
     for name, module in model.transformer.encoder.named_modules():
         if name.rsplit(".", 1)[-1] in QUANTIZED_LAYERS and isinstance(module, torch.nn.Linear):
             layer = QuantizedLinear.from_float(module, 4)
-            quantized.transformer.encoder.set_submodule(name, layer)
+            parent, child = name.rsplit(".", 1)  # (Module.set_submodule arrived in torch 2.5)
+            setattr(quantized.transformer.encoder.get_submodule(parent), child, layer)
             with torch.no_grad():
                 dequantized.transformer.encoder.get_submodule(name).weight.copy_(
                     layer.dequantized_weight(module.weight.dtype))
