@@ -1983,8 +1983,9 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     def use_quantized_kernel(self, kernel: str = "packed") -> int:
         """A pre-quantized (int4) model's matrix kernel (quantization_chatglm.py): "packed", torch's int4 kernel on
         bf16 activations for decode (the default in bf16/fp16 models, where torch has it for the device; an opt-in in
-        fp32, README: its deviation), "exact" (the original's arithmetic), "auto" (what from_pretrained chose). A move
-        to another device keeps the choice (the layers pack again there). Returns how many layers run packed."""
+        fp32, docs/quantized-checkpoints.md: its deviation), "exact" (the original's arithmetic), "auto" (what
+        from_pretrained chose). A move to another device keeps the choice (the layers pack again there). Returns how
+        many layers run packed."""
         if weight_storage(self.config) == "float":
             raise ValueError(
                 f"use_quantized_kernel({kernel!r}): this model's weights are not pre-quantized (quantization_bit="

@@ -20,7 +20,8 @@ The weights stay quantized in memory. Two ways to multiply by them (`QuantizedLi
           for it at load, bf16 activations. For a few rows (decode), where the exact path spends its time turning
           codes into floats; more rows (prefill) take the exact path. The default for a bf16/fp16 model where the
           running torch has the kernel for the device; an opt-in for fp32 (ChatGLMPreTrainedModel.
-          use_quantized_kernel), with bf16's rounding of the activations (README: measured deviation).
+          use_quantized_kernel), with bf16's rounding of the activations (docs/quantized-checkpoints.md: measured
+          deviation).
 Where the kernel's layout can be read back exactly (learned once per device type by packing a probe, then checked on
 each layer), the packed bytes replace the codes in `weight`'s storage: the model holds one copy, about a quarter of
 fp16's bytes for these layers. The codes are rebuilt from them where something reads them: the exact path (prompts,

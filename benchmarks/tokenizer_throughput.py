@@ -94,7 +94,7 @@ def benchmark(family: str, workdir: Path, args) -> None:
     slow = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
     import convert_tokenizer_to_fast
 
-    fast = convert_tokenizer_to_fast.load_fast_tokenizer(folder)  # as the README loads it
+    fast = convert_tokenizer_to_fast.load_fast_tokenizer(folder)  # as docs/tokenizers.md loads it
     runs = {}
     if family == "glm4":
         baseline = baseline_class(type(slow)).from_pretrained(str(folder))

@@ -3,10 +3,10 @@
 # installed). Parts, in this order (PARTS picks some):
 #   int4_check   tools/int4_check.py: chatglm2-6b's int4 layers packed for the GPU's kernel hold one copy of the codes
 #                and read them back bit for bit (seconds)
-#   int4         the benchmark's int4 rows at chatglm2-6b's shape (README: Pre-quantized int4)
+#   int4         the benchmark's int4 rows at chatglm2-6b's shape (docs/speed-and-memory.md: Pre-quantized int4)
 #   decode       the benchmark on a glm-4-9b-shaped model, fork against transformers' GlmForCausalLM: decode, the
 #                kernels per layer, copy bandwidth and the compiled / CUDA-graph decode (issue 38's GPU rows)
-#   full         the same model, every other section (README: Speed on a GPU)
+#   full         the same model, every other section (docs/speed-and-memory.md: Speed on a GPU)
 #   boundaries   tools/gpu_check.py: models split over cpu and cuda:0 against one device, fp32 and bf16
 # Logs and JSON go to $OUT (the device tool's folder) or out/gpu.
 #   bash scripts/gpu_checks.sh                            # everything: about 17 minutes on one H100

@@ -206,7 +206,7 @@ def test_sequence_classification_pools_on_the_logits_device(tiny_model, chatglm)
     torch.testing.assert_close(out.logits.cpu(), expected, atol=1e-6, rtol=1e-6)
 
 
-def test_balanced_device_map_is_reachable_as_the_readme_shows(golden):
+def test_balanced_device_map_is_reachable_as_the_docs_show(golden):
     from transformers import AutoConfig
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 

@@ -91,7 +91,7 @@ def test_the_exported_tokenizer_gives_our_ids_on_real_text(golden, exported, req
     assert isinstance(native, transformers.PreTrainedTokenizerFast)
     slow = request.getfixturevalue(SLOW_TOKENIZER[golden.family])
     texts = [r["text"] for r in load_jsonl("tokvec", RECORDS[golden.family]) if r["kind"] == "encode"]
-    if golden.family == "chatglm3":  # the one documented difference of the fast tokenizer (README, Fast tokenizers)
+    if golden.family == "chatglm3":  # the one documented difference of the fast tokenizer (docs/tokenizers.md)
         texts = [t for t in texts if "<unk>" not in t and "</s>" not in t]
     assert len(texts) > 200
     for text in texts:
@@ -190,7 +190,7 @@ def test_chatglm2_32k_exports_with_linear_rope_scaling_and_gives_the_golden_logi
     rope = written.get("rope_parameters") or dict(written.get("rope_scaling") or {}, rope_theta=written["rope_theta"])
     assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("linear", 16.0, 10000.0)
     assert "rope_ratio" not in written and not (tmp_path / "native" / "tokenizer.json").exists()
-    if not glm_reads_rope_scaling():  # 4.46, 4.47: Glm ignores rope_scaling (README: the export needs 4.48)
+    if not glm_reads_rope_scaling():  # 4.46, 4.47: Glm ignores rope_scaling (docs: the export needs 4.48)
         return
     native = load_native(tmp_path / "native")
     with torch.no_grad():

@@ -17,8 +17,8 @@ from chatglm_tools import REPO, shared_path
 from tokenizer_fixtures import load_jsonl
 
 SURFACES = ("chatglm3", "glm4", "chatglm2")
-# Names whose recorded value is an original bug this fork fixes on purpose; the README's "Drop-in surface" section
-# lists each. (family, path, name) -> why.
+# Names whose recorded value is an original bug this fork fixes on purpose; the "Drop-in surface" section of
+# docs/drop-in-surface.md lists each. (family, path, name) -> why.
 KNOWN_DIFFERENCES = {
     ("chatglm3", "tokenizer", "total_vocab_size"):
         "64798, every id: the original's 64796 counted <unk>, <s> and </s> once, all three named ''",
@@ -169,12 +169,13 @@ def test_every_submodule_name_exists(surface_objects, family):
 
 
 def test_known_differences_are_real_and_documented(surface_objects):
-    """Each deliberate difference still differs (else it belongs back in the check) and the README names it."""
-    section = REPO.joinpath("README.md").read_text(encoding="utf-8").split("### Drop-in surface", 1)[1].split("\n## ")[0]
+    """Each deliberate difference still differs (else it belongs back in the check) and the docs name it."""
+    page = REPO.joinpath("docs", "drop-in-surface.md").read_text(encoding="utf-8")
+    section = page.split("\n## Drop-in surface\n", 1)[1].split("\n## ")[0]
     for (family, path, name), why in KNOWN_DIFFERENCES.items():
         surface, objects = surface_objects[family]
         assert mismatch(reach(objects, path), name, surface["objects"][path]["names"][name]), (family, path, name)
-        assert f"`{path}.{name}`" in section, f"README's Drop-in surface section does not list {path}.{name}"
+        assert f"`{path}.{name}`" in section, f"docs/drop-in-surface.md: Drop-in surface does not list {path}.{name}"
 
 
 # ---- What the clients do ---------------------------------------------------------------------------------------

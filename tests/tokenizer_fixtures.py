@@ -198,7 +198,7 @@ def glm4_fast_tokenizer(tokenizer_folder_factory, fast_converter):
 
 @pytest.fixture(scope="session")
 def chatglm3_fast_tokenizer(tokenizer_folder_factory, fast_converter):
-    """chatglm3-6b folder + the converter's tokenizer.json, loaded as the README shows (the converter's
+    """chatglm3-6b folder + the converter's tokenizer.json, loaded as docs/tokenizers.md shows (the converter's
     load_fast_tokenizer): tokenizer.json's own added-token flags, the unk, eos and pad tokens set after loading."""
     folder = tokenizer_folder_factory("chatglm3", "chatglm3-fast")
     assert fast_converter.main([str(folder)]) == 0

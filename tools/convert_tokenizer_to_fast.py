@@ -20,7 +20,8 @@ text of "[gMASK]", "sop" (as a whole word) and the four role tokens is parsed, a
 "<s>" and "</s>" are plain vocabulary entries too, so that their text stays text as in the slow tokenizer (and the
 original), and they decode to nothing, as SentencePiece decodes them. transformers registers a fast tokenizer's
 unk, eos and pad tokens as added tokens when they are set while it loads, and a Rust tokenizer matches every added
-token in text: load the file with them set afterwards (README, "Fast tokenizers"; `load_fast_tokenizer`).
+token in text: load the file with them set afterwards (docs/tokenizers.md, "Fast tokenizers";
+`load_fast_tokenizer`).
 
 Both add the `[gMASK] <sop>` prefix (ChatGLM3: `[gMASK] sop`) with add_special_tokens=True, and pairs end with the eos
 token. The merges are written in the format every tokenizers release reads (0.19, transformers 4.44, and up).
@@ -187,7 +188,7 @@ def build_fast_tokenizer(model_path) -> Tokenizer:
 
 
 def load_fast_tokenizer(folder):
-    """A converted folder as transformers' PreTrainedTokenizerFast, loaded as the README shows. ChatGLM3: its
+    """A converted folder as transformers' PreTrainedTokenizerFast, loaded as docs/tokenizers.md shows. ChatGLM3: its
     tokenizer_config.json lists four control tokens as plain, normalized tokens (`added_tokens_decoder={}` keeps
     tokenizer.json's flags), and its unk, eos and pad tokens are set after loading: named while loading, they become
     added tokens, whose text is parsed wherever it is typed (the slow tokenizer keeps it as text)."""
