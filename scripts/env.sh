@@ -56,9 +56,11 @@ PACKAGES=(accelerate safetensors sentencepiece tiktoken)
 OPTIONAL=1
 if [ "${CHATGLM_SETUP:-}" = demo ]; then OPTIONAL=0; else PACKAGES+=(pytest hypothesis); fi
 if [ "${CHATGLM_MINIMAL:-0}" = 1 ]; then OPTIONAL=0; fi
-if ! "$PY" -c "import $(IFS=,; echo "${PACKAGES[*]}")" 2>/dev/null; then
-  setup_step "installing $(IFS=,; echo "${PACKAGES[*]}" | sed 's/,/, /g')"
-  pip_install "${PACKAGES[@]}"
+read -ra MISSING <<<"$("$PY" -c 'import importlib.util as u, sys
+print(" ".join(name for name in sys.argv[1:] if u.find_spec(name) is None))' "${PACKAGES[@]}")"
+if [ ${#MISSING[@]} -gt 0 ]; then
+  setup_step "installing $(IFS=,; echo "${MISSING[*]}" | sed 's/,/, /g')"
+  pip_install "${MISSING[@]}"
   setup_step_done
 fi
 # torch 2.4 gets torchao 0.6.1, of its months: later releases read dtypes that torch 2.5 added (torch.int1).
