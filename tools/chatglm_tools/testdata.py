@@ -103,17 +103,20 @@ def _tree(files: Dict[str, bytes]) -> Entry:
     for path, data in files.items():
         head, _, rest = path.partition("/")
         children.setdefault(head, {})[rest] = data
-    return Entry("dir", children=tuple(
-        (name, _tree(inner) if "" not in inner else Entry("file", inner[""])) for name, inner in sorted(children.items())))
+    entries = [(name, Entry("file", inner[""]) if "" in inner else _tree(inner)) for name, inner in children.items()]
+    return Entry("dir", children=tuple(sorted(entries)))
+
+
+def _parents(path: str) -> List[str]:
+    """The folders above `path`, from the top: "a/b/c" -> ["a", "a/b"]."""
+    parts = path.split("/")
+    return ["/".join(parts[:depth]) for depth in range(1, len(parts))]
 
 
 def _topmost(path: str, keep) -> str:
-    """The highest folder above `path` (or `path` itself) for which keep(folder) is false all the way down."""
-    parts = path.split("/")
-    for depth in range(1, len(parts)):
-        if not keep("/".join(parts[:depth])):
-            return "/".join(parts[:depth])
-    return path
+    """The first folder above `path`, from the top, for which keep(folder) is false; `path` itself when there is
+    none."""
+    return next((parent for parent in _parents(path) if not keep(parent)), path)
 
 
 def _size(n: int) -> str:
@@ -128,6 +131,22 @@ def check_folders(folder: Path, source: Path) -> None:
         raise Refused(f"{source} and {folder} overlap: give the shared reference data folder as SOURCE_DIR")
 
 
+def _additions(folder: Path, source: Path, added: Dict[str, bytes]) -> List[Tuple[str, Entry]]:
+    """The new files as entries: one in a folder that does not exist yet comes with that folder (one entry per new
+    top folder)."""
+    entries, new_folders = [], {}
+    for path, data in sorted(added.items()):
+        if any((folder / parent).exists() and not (folder / parent).is_dir() for parent in _parents(path)):
+            raise Refused(f"{path} is in a folder in {source}, but a file of that name is in {folder}: remove it "
+                          "and run again")
+        top = _topmost(path, lambda name: (folder / name).is_dir())
+        if top == path:
+            entries.append((path, Entry("file", data)))
+        else:
+            new_folders.setdefault(top, {})[path[len(top) + 1:]] = data
+    return entries + [(top, _tree(files)) for top, files in new_folders.items()]
+
+
 def plan_refresh(folder: Path, source: Path) -> Refresh:
     folder, source = folder.resolve(), source.resolve()
     check_folders(folder, source)
@@ -140,20 +159,8 @@ def plan_refresh(folder: Path, source: Path) -> Refresh:
     added = {path: data for path, data in wanted.items() if path not in current}
     removed = sorted(current.keys() - wanted.keys())
     changed = sorted(path for path in wanted.keys() & current.keys() if wanted[path] != current[path])
-    for path in changed:
-        plan.changes.append((path, Entry("file", wanted[path])))
-    # A file in a folder that does not exist yet comes with that folder, one entry per new top folder.
-    new_folders: Dict[str, Dict[str, bytes]] = {}
-    for path, data in sorted(added.items()):
-        if any((folder / parent).exists() and not (folder / parent).is_dir() for parent in _parents(path)):
-            raise Refused(f"{path} is in a folder in {source}, but a file of that name is in {folder}: remove it "
-                          "and run again")
-        top = _topmost(path, lambda name: (folder / name).is_dir())
-        if top == path:
-            plan.changes.append((path, Entry("file", data)))
-        else:
-            new_folders.setdefault(top, {})[path[len(top) + 1:]] = data
-    plan.changes += [(top, _tree(files)) for top, files in new_folders.items()]
+    plan.changes += [(path, Entry("file", wanted[path])) for path in changed]
+    plan.changes += _additions(folder, source, added)
     # A folder left without data goes as a whole (with what else it held).
     gone = {_topmost(path, lambda name: any(p.startswith(name + "/") for p in wanted)) for path in removed}
     plan.changes += [(name, ABSENT) for name in sorted(gone)]
@@ -170,11 +177,6 @@ def plan_refresh(folder: Path, source: Path) -> Refresh:
     plan.summary = (f"{folder.name}: {counts}; it holds {len(records)} files, {_size(total)}" if plan.changes else
                     f"{folder.name}: up to date with {source} ({len(records)} files, {_size(total)})")
     return plan
-
-
-def _parents(path: str) -> List[str]:
-    parts = path.split("/")
-    return ["/".join(parts[:depth]) for depth in range(1, len(parts))]
 
 
 def refresh(folder: Path, source: Path, dry_run: bool = False) -> Refresh:
