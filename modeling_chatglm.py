@@ -44,7 +44,7 @@ Where to change what (section: names):
                                 (its two kernels, exact and packed: `QuantizedLinear.use_kernel`, chosen after loading
                                 by `use_quantized_kernel`)
   a name the original objects   the class that has it (`CoreAttention` holds the attention's); ChatGLM2-only
-  had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads shared/surface
+  had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads testdata/surface
 """
 
 import ast

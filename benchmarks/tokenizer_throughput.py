@@ -3,7 +3,7 @@
 
     python benchmarks/tokenizer_throughput.py [--family glm4|chatglm3|both] [--seconds 2] [--batch-size 32]
 
-Compares, on the plain-text reference texts of shared/tokvec (in batches, padded):
+Compares, on the plain-text reference texts of testdata/tokvec (in batches, padded):
 
 * baseline -- GLM-4 only: the original tokenizer's approach, reimplemented here: tiktoken's ids turned into byte
   tokens one by one, then back into ids one by one through transformers' added-token lookup (which rebuilds its
@@ -14,8 +14,7 @@ Compares, on the plain-text reference texts of shared/tokvec (in batches, padded
   uses it.
 
 All of a family's tokenizers must produce the same input_ids before anything is timed. Prints texts/s, tokens/s and
-the ratios to the slow tokenizer (and to the baseline). Needs the shared data folder (CHATGLM_SHARED_DIR, default
-../shared).
+the ratios to the slow tokenizer (and to the baseline). Reads the repository's testdata/ (or CHATGLM_SHARED_DIR).
 """
 import argparse
 import json

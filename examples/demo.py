@@ -1,8 +1,9 @@
 """Offline demo: load a ChatGLM / GLM-4 checkpoint the way a user does and generate.
 
 With no argument it builds a small random-weight checkpoint from this repository's own config.json (glm-4-9b-chat,
-scaled down), so it runs on a fresh machine with no download: the text is gibberish, the pipeline is real
-(chat template -> ids -> generate -> decode, through AutoModelForCausalLM with trust_remote_code=True).
+scaled down) with glm-4-9b-chat's real tokenizer files (testdata/tokenizers), so it runs on a fresh clone with no
+download: the text is gibberish, the pipeline is real (chat template -> ids -> generate -> decode, through
+AutoModelForCausalLM with trust_remote_code=True).
 
     python examples/demo.py                     # the embedded tiny checkpoint
     python examples/demo.py --model /path/to/glm-4-9b-chat --prompt "你好"
@@ -19,17 +20,11 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-from chatglm_tools import CODE_FILES, SHARED  # noqa: E402  (the files a user copies, the shared data folder)
+from chatglm_tools import CODE_FILES, shared_path  # noqa: E402  (the files a user copies, the reference data)
 
 # Shrinks glm-4-9b-chat; the vocabulary stays whole so that real tokenizer ids fit.
 DEMO_SIZES = dict(num_layers=2, num_hidden_layers=2, hidden_size=128, ffn_hidden_size=256, kv_channels=32,
                   num_attention_heads=4, multi_query_group_num=2, seq_length=4096, torch_dtype="float32")
-
-
-def tokenizer_files() -> Path | None:
-    """GLM-4's tokenizer.model from the shared data folder (CHATGLM_SHARED_DIR), if it is there."""
-    model_file = SHARED / "tokenizers" / "glm-4-9b-chat" / "tokenizer.model"
-    return model_file if model_file.exists() and (REPO / "tokenization_chatglm.py").exists() else None
 
 
 def build_tiny_checkpoint(folder: Path, seed: int) -> Path:
@@ -55,10 +50,8 @@ def build_tiny_checkpoint(folder: Path, seed: int) -> Path:
     # After save_pretrained, which writes a generation config derived from the model config: the real one has
     # glm-4-9b-chat's stop ids and sampling defaults.
     shutil.copy(REPO / "generation_config.json", folder / "generation_config.json")
-    tokenizer_model = tokenizer_files()
-    if tokenizer_model is not None:
-        shutil.copy(tokenizer_model, folder / "tokenizer.model")
-        shutil.copy(REPO / "tokenizer_config.json", folder / "tokenizer_config.json")
+    shutil.copy(shared_path("tokenizers", "glm-4-9b-chat", "tokenizer.model"), folder / "tokenizer.model")
+    shutil.copy(REPO / "tokenizer_config.json", folder / "tokenizer_config.json")
     return folder
 
 
@@ -129,7 +122,7 @@ def run(args, workdir: Path) -> int:
     else:
         ids = torch.tensor([[151331, 151333, 151336, 198, 9707, 151337]])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        print(f"prompt: ids {ids[0].tolist()} (no tokenizer files found: set CHATGLM_SHARED_DIR for text)")
+        print(f"prompt: ids {ids[0].tolist()} ({folder} has no tokenizer.model: ids only)")
     inputs = {name: tensor.to(model.device) for name, tensor in inputs.items()}
     # Greedy, from the checkpoint's generation_config.json otherwise (glm-4-9b-chat's: its stop ids). That file bounds
     # the whole sequence (max_length=128000), which transformers 5 counts as set by the caller, warning when

@@ -47,6 +47,5 @@ if ! "$LLAMA_PY" -c "import llama_cpp, transformers, PIL, sys; sys.exit(llama_cp
     pip_in "$LLAMA_PY" --no-binary llama-cpp-python "$SDIST"
 fi
 
-export CHATGLM_SHARED_DIR="${CHATGLM_SHARED_DIR:-$(cd "$ROOT/.." && pwd)/shared}"
 exec "$LLAMA_PY" "$ROOT/scripts/engines.py" run --vllm-python "$VLLM_PY" \
   --convert "$LLAMA_SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$@"

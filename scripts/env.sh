@@ -5,6 +5,8 @@
 #        newest release on the registry of transformers, PEFT, TRL, accelerate and tokenizers, for scripts/canary.sh)
 # CHATGLM_TORCH=VERSION: another torch release, in its own environment .venv-torchMAJOR.MINOR (the torch ends of
 #        scripts/test.sh); `newest`: the newest torch on the registry (scripts/canary.sh, in its own environment).
+# CHATGLM_SETUP=demo (scripts/demo.sh): only the six dependencies (torch, transformers, accelerate, safetensors,
+#        sentencepiece, tiktoken); otherwise also what the tests need (scripts/test.sh, on the same .venv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEFAULT_TORCH="2.13.0"
@@ -46,17 +48,24 @@ if [ "$TORCH" = newest ] || [ "$(torch_version)" != "$TORCH" ]; then
   setup_step_done
   if [ "$TORCH" = newest ]; then echo "torch==$(torch_version)" >"$CONSTRAINTS"; fi
 fi
-# The six dependencies and the test runner; then, unless CHATGLM_MINIMAL=1, what the tests exercise as users do:
-# Pillow (GLM-4V images), torchao and optimum-quanto (model.quantize()); PEFT and TRL come with each transformers
-# release below, pinned to that release.
-if ! "$PY" -c 'import accelerate, safetensors, sentencepiece, tiktoken, pytest, hypothesis' 2>/dev/null; then
-  setup_step "installing accelerate, safetensors, sentencepiece, tiktoken, pytest, hypothesis"
-  pip_install accelerate safetensors sentencepiece tiktoken pytest hypothesis
+# The six dependencies (torch above, transformers below) and, unless this is the demo's set-up, the test runner;
+# then, unless CHATGLM_MINIMAL=1 or the demo's set-up, what the tests exercise as users do: Pillow (GLM-4V images),
+# torchao and optimum-quanto (model.quantize()); PEFT and TRL come with each transformers release below, pinned to
+# that release.
+PACKAGES=(accelerate safetensors sentencepiece tiktoken)
+OPTIONAL=1
+if [ "${CHATGLM_SETUP:-}" = demo ]; then OPTIONAL=0; else PACKAGES+=(pytest hypothesis); fi
+if [ "${CHATGLM_MINIMAL:-0}" = 1 ]; then OPTIONAL=0; fi
+read -ra MISSING <<<"$("$PY" -c 'import importlib.util as u, sys
+print(" ".join(name for name in sys.argv[1:] if u.find_spec(name) is None))' "${PACKAGES[@]}")"
+if [ ${#MISSING[@]} -gt 0 ]; then
+  setup_step "installing $(IFS=,; echo "${MISSING[*]}" | sed 's/,/, /g')"
+  pip_install "${MISSING[@]}"
   setup_step_done
 fi
 # torch 2.4 gets torchao 0.6.1, of its months: later releases read dtypes that torch 2.5 added (torch.int1).
 TORCHAO=torchao; case "$(torch_version)" in 2.4.*) TORCHAO=torchao==0.6.1 ;; esac
-if [ "${CHATGLM_MINIMAL:-0}" != 1 ] && ! "$PY" -c 'import PIL, torchao.quantization, optimum.quanto' 2>/dev/null; then
+if [ "$OPTIONAL" = 1 ] && ! "$PY" -c 'import PIL, torchao.quantization, optimum.quanto' 2>/dev/null; then
   setup_step "installing pillow, $TORCHAO, optimum-quanto (for the tests of optional features)"
   pip_install pillow "$TORCHAO" optimum-quanto
   setup_step_done
@@ -85,7 +94,7 @@ use_transformers() {
     pip_install "transformers==$want"
     setup_step_done
   fi
-  if [ "${CHATGLM_MINIMAL:-0}" != 1 ]; then
+  if [ "$OPTIONAL" = 1 ]; then
     companion_pins "$want"
     if [ "$("$PY" -c 'import trl; print(trl.__version__)' 2>/dev/null || true)" != "$TRL_PIN" ] || \
        [ "$("$PY" -c 'import peft; print(peft.__version__)' 2>/dev/null || true)" != "$PEFT_PIN" ]; then
@@ -108,6 +117,6 @@ use_newest() {
 if [ "${1:-}" = newest ]; then use_newest; else use_transformers "${1:-$DEFAULT_TRANSFORMERS}"; fi
 echo "environment: $VENV ready"
 
-# Tests and the demo never reach a hub, and never reuse remote code cached by an earlier run.
+# Tests and the demo never reach a hub, and never reuse remote code cached by an earlier run. They read the reference
+# data in testdata/ (CHATGLM_SHARED_DIR, when the caller set it, points them at another copy).
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-export CHATGLM_SHARED_DIR="${CHATGLM_SHARED_DIR:-$(cd "$ROOT/.." && pwd)/shared}"

@@ -107,7 +107,7 @@ def chatglm(tmp_path_factory):
 
 @dataclass
 class GoldenCase:
-    """A checkpoint saved by the ORIGINAL code, with what the original computed on it (see shared/golden)."""
+    """A checkpoint saved by the ORIGINAL code, with what the original computed on it (see testdata/golden)."""
 
     name: str
     folder: Path  # the checkpoint with our code files dropped in

@@ -1,5 +1,5 @@
 """Pre-quantized checkpoints (chatglm2-6b-int4's storage, quantization_bit 4 or 8): loaded as downloaded, they give
-the original int4 code's numbers (shared/golden/chatglm2-int4-tiny), keep their weights quantized in memory, save in
+the original int4 code's numbers (testdata/golden/chatglm2-int4-tiny), keep their weights quantized in memory, save in
 the original's format, and run generate(), chat(), a device map and LoRA. The 8-bit case, and a second 4-bit truth,
 come from the case's fp16 source quantized here with the original's arithmetic (the golden README's formulas)."""
 import copy

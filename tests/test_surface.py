@@ -1,5 +1,5 @@
 """Drop-in beyond numbers: every public name of the ORIGINAL objects exists on ours, with the same kind, the
-original's parameters and the tokenizer's recorded values (shared/surface, recorded from the original code), and the
+original's parameters and the tokenizer's recorded values (testdata/surface, recorded from the original code), and the
 clients that read those names (ChatGLM3's finetune_hf.py sanity check, its cli_demo's streaming loop, attention hooks
 on `core_attention`) run as they do with the original files.
 """

@@ -1,4 +1,4 @@
-"""Tokenizer tests against the reference vectors of the ORIGINAL tokenizers (shared/tokvec, see its FORMAT.md).
+"""Tokenizer tests against the reference vectors of the ORIGINAL tokenizers (testdata/tokvec, see its FORMAT.md).
 
 Fields a record marks as an original bug (`original_bug_fields`) are checked against the FIXED behaviour. Those
 expectations are derived from independent sources -- the original's own faithful fields (`decoded_nospace`,

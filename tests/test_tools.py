@@ -516,7 +516,7 @@ def test_demo_prints_only_what_a_new_user_needs_and_leaves_nothing_behind(tmp_pa
     assert all(matches), "\n".join(output)
     for line in output[:-2]:  # the answer line is random words, held to its form above
         assert not re.search(r"fail|warn|error|traceback", line, re.IGNORECASE), line
-    # The shared data holds GLM-4's tokenizer.model: chat template -> ids -> generate -> decode, end to end.
+    # testdata/ holds GLM-4's tokenizer.model: chat template -> ids -> generate -> decode, end to end.
     prompt, answer = json.loads(matches[2]["prompt"]), json.loads(matches[3]["answer"])
     assert prompt[:3] == [151331, 151333, 151336] and prompt[-1] == 151337  # [gMASK]<sop><|user|> ... <|assistant|>
     assert len(answer) == 5

@@ -34,7 +34,7 @@ __all__ = [
     "chatglm3_fast_tokenizer",
 ]
 
-# family -> folder under shared/tokenizers
+# family -> folder under testdata/tokenizers
 TOKENIZER_DIRS = {"glm4": "glm-4-9b-chat", "chatglm3": "chatglm3-6b"}
 
 

@@ -4,6 +4,7 @@
     device_check         runs that must agree across device placements (tests, tools/gpu_check.py)
     native_glm           conversion to transformers' own GlmForCausalLM, the independent reference
     kv_cache             what a transformers KV cache holds, on every supported release
+    testdata             the repository's reference data folder (testdata/): its manifest, and its refresh
 
 Import them as `from chatglm_tools import folder_transaction`. The one path setup is `tools/` on sys.path: Python
 puts it there for every command in tools/ (a script's own folder comes first), pytest.ini's `pythonpath` for the
@@ -16,8 +17,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# The shared data (real tokenizer files, golden outputs of the original code): CHATGLM_SHARED_DIR, else ../shared.
-SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR", REPO.parent / "shared")).resolve()
+# The reference data (golden outputs of the original code, real tokenizer files and configs, ...) is in the repository:
+# testdata/ (its README.md). CHATGLM_SHARED_DIR, when set, points the tests and tools at another copy instead.
+DATA = REPO / "testdata"
+SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR") or DATA).resolve()
 
 # The files a user copies over a downloaded checkpoint (the installer, the demo, the tests and the benchmarks read this
 # list). A companion file added here later is installed by the installer's next run, its original kept like the others.
@@ -26,11 +29,17 @@ CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_c
 
 
 def shared_path(*parts) -> Path:
-    """A file of the shared data; its absence is an error (never a skip) that says how to point at the folder."""
+    """A file of the reference data; its absence is an error (never a skip) that names the folder and what to do."""
     path = SHARED.joinpath(*parts)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: this needs the shared data folder; set CHATGLM_SHARED_DIR to it.")
-    return path
+    if path.exists():
+        return path
+    if SHARED != DATA.resolve():
+        raise FileNotFoundError(f"{path} is missing: CHATGLM_SHARED_DIR={os.environ['CHATGLM_SHARED_DIR']} does not "
+                                f"hold it. Unset CHATGLM_SHARED_DIR to use the repository's {DATA}, or point it to "
+                                "a complete copy of the reference data.")
+    raise FileNotFoundError(f"{path} is missing from the repository's reference data folder {DATA}: restore it "
+                            "(git checkout -- testdata) or refresh the folder (python scripts/refresh_testdata.py "
+                            "SOURCE_DIR; see testdata/README.md).")
 
 
 def copy_code_into(folder: Path) -> Path:
