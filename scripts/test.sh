@@ -18,7 +18,8 @@
 # The whole matrix runs in two lanes side by side (a test process keeps about one core busy; the machine has two):
 # lane 1 takes the matrix's versions in .venv one after another; lane 2 runs the minimal environment and the torch
 # ends, then takes the versions lane 1 has not started, in .venv-matrix2 (the same packages as .venv). Each phase's
-# output is printed whole when it ends. CHATGLM_TEST_LANES=1 runs every phase in one lane, printing as it goes.
+# output is printed whole when it ends; each lane's torch uses one thread (OMP_NUM_THREADS=1, unless set).
+# CHATGLM_TEST_LANES=1 runs every phase in one lane, printing as it goes.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0 5.24.0)
@@ -81,6 +82,9 @@ phase_run() (
     torch) export CHATGLM_TORCH="$torch"; selection=("${CORE[@]}" "${TORCH_SENSITIVE[@]}") ;;
   esac
   source "$ROOT/scripts/env.sh" "$version" >/dev/null || exit $?
+  # Two lanes on two cores: one torch thread each. Two threads per lane left four threads spinning for two cores (the
+  # same tests took 2.8 times the CPU); a lane on its own keeps torch's default.
+  if [ "$LANES" != 1 ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
   # optimum-quanto compiles its kernels on first use: into the environment, so that environments built side by side
   # never share (or rebuild) one folder.
   export TORCH_EXTENSIONS_DIR="$VENV/torch-extensions"
