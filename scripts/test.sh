@@ -3,7 +3,7 @@
 # swapped per version). The oldest and newest versions run everything; the versions between them skip the tests
 # marked `matrix_ends` (multi-device and tensor-parallel runs, the slowest) and `release_independent` (what no
 # transformers release can change: pytest.ini). Prints each phase's counts and times, then one summary line.
-#   scripts/test.sh                 # the whole matrix (what CI runs): about 35 minutes on 2 cores from a fresh clone
+#   scripts/test.sh                 # the whole matrix (what CI runs); its summary gives each phase's times
 #   scripts/test.sh 5.24.0 -k parity   # one version, extra pytest arguments
 #   scripts/test.sh --quick         # daily work: the newest version, no multi-device / tensor-parallel tests
 #   scripts/test.sh --minimal [VERSION]   # only the core suite in the minimal environment
@@ -15,7 +15,7 @@
 # its own environment (scripts/env.sh, CHATGLM_TORCH): the oldest torch users have (2.4, GLM-4's own floor) with the
 # oldest transformers, and the newest torch on the registry with the newest transformers (the matrix itself runs on
 # torch 2.13.0).
-# The whole matrix runs in two lanes side by side (a test process keeps about one core busy; the machine has two):
+# The whole matrix runs in two lanes side by side (the tests' tiny models keep a process on about one core; CI has two):
 # lane 1 takes the matrix's versions in .venv one after another; lane 2 runs the minimal environment and the torch
 # ends, then takes the versions lane 1 has not started, in .venv-matrix2 (the same packages as .venv). Each phase's
 # output is printed whole when it ends; each lane's torch uses one thread (OMP_NUM_THREADS=1, unless set).
