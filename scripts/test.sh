@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite on the transformers version matrix, in one virtual environment (torch installed once, transformers
 # swapped per version). The oldest and newest versions run everything; the versions between them skip the tests
-# marked `matrix_ends` (multi-device and tensor-parallel runs, the slowest). Prints one summary line at the end.
-#   scripts/test.sh                 # the whole matrix
+# marked `matrix_ends` (multi-device and tensor-parallel runs, the slowest) and `release_independent` (what no
+# transformers release can change: pytest.ini). Prints each phase's counts and times, then one summary line.
+#   scripts/test.sh                 # the whole matrix (what CI runs); its summary gives each phase's times
 #   scripts/test.sh 5.24.0 -k parity   # one version, extra pytest arguments
 #   scripts/test.sh --quick         # daily work: the newest version, no multi-device / tensor-parallel tests
 #   scripts/test.sh --minimal [VERSION]   # only the core suite in the minimal environment
@@ -14,6 +15,11 @@
 # its own environment (scripts/env.sh, CHATGLM_TORCH): the oldest torch users have (2.4, GLM-4's own floor) with the
 # oldest transformers, and the newest torch on the registry with the newest transformers (the matrix itself runs on
 # torch 2.13.0).
+# The whole matrix runs in two lanes side by side (the tests' tiny models keep a process on about one core; CI has two):
+# lane 1 takes the matrix's versions in .venv one after another; lane 2 runs the minimal environment and the torch
+# ends, then takes the versions lane 1 has not started, in .venv-matrix2 (the same packages as .venv). Each phase's
+# output is printed whole when it ends; each lane's torch uses one thread (OMP_NUM_THREADS=1, unless set).
+# CHATGLM_TEST_LANES=1 runs every phase in one lane, printing as it goes.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0 5.24.0)
@@ -25,57 +31,115 @@ CORE=(tests/test_loading.py tests/test_parity.py tests/test_quantized.py tests/t
 NEWEST_TORCH="$(sed -n 's/^torch==//p' "$ROOT/scripts/requirements-newest-torch.txt")"
 TORCH_ENDS=("2.4.1 $OLDEST" "$NEWEST_TORCH $NEWEST")
 TORCH_SENSITIVE=(tests/test_attention.py tests/test_compile.py)  # besides the core suite: the kernels, torch.compile
+LANES="${CHATGLM_TEST_LANES:-2}"
 if [ $# -gt 0 ] && [ "$1" = "--torch-ends" ]; then
-  shift; MATRIX=(); MINIMAL=()
+  shift; MATRIX=(); MINIMAL=(); LANES=1
 elif [ $# -gt 0 ] && [ "$1" = "--minimal" ]; then
-  shift; MATRIX=(); TORCH_ENDS=()
+  shift; MATRIX=(); TORCH_ENDS=(); LANES=1
   if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+\.[0-9]+ ]]; then MINIMAL=("$1"); shift; fi
 elif [ $# -gt 0 ]; then
-  MINIMAL=(); TORCH_ENDS=()  # a version or --quick: the full environment only
+  MINIMAL=(); TORCH_ENDS=(); LANES=1  # a version or --quick: the full environment only
 fi
 if [ $# -gt 0 ] && [ "$1" = "--quick" ]; then shift; set -- "$NEWEST" -m "not matrix_ends and not multi_device" "$@"; fi
 if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+\.[0-9]+ ]]; then MATRIX=("$1"); shift; fi
 REPORTS="$(mktemp -d)"
-status=0
-for version in "${MATRIX[@]}"; do
-  echo "=== transformers $version ==="
-  selection=()
-  if [ "$version" != "$OLDEST" ] && [ "$version" != "$NEWEST" ]; then selection=(-m "not matrix_ends"); fi
-  (source "$ROOT/scripts/env.sh" "$version" >/dev/null && cd "$ROOT" && \
-    "$PY" -m pytest -q "${selection[@]}" --junitxml="$REPORTS/$version.xml" "$@")
-  rc=$?
+START=$SECONDS
+
+# phase KIND VERSION [TORCH [VENV]]: sets up the phase's environment and runs its tests. KIND: matrix (VENV: .venv
+# unless given), minimal, torch. Leaves in $REPORTS: NAME.xml (junit), NAME.times ("exit set-up tests lane"), and
+# prints the output as it comes (one lane) or whole when the phase ends (two lanes).
+phase() {
+  local kind="$1" version="$2" torch="${3:-}" name title log begin setup
+  case "$kind" in
+    matrix) name="$version"; title="transformers $version" ;;
+    minimal) name="$version-minimal"; title="transformers $version, minimal environment" ;;
+    torch) name="$version-torch$torch"; title="torch $torch, transformers $version" ;;
+  esac
+  log="$REPORTS/$name.log"; begin=$SECONDS
+  if [ "$LANES" = 1 ]; then echo "=== $title ==="; phase_run "$@" 2>&1 | tee "$log"
+  else echo "--- lane $LANE: $title (started at $((SECONDS - START)) s)" | flock "$REPORTS/.print" cat
+    phase_run "$@" >"$log" 2>&1; fi
+  local rc="${PIPESTATUS[0]}"
+  setup=$((SECONDS - begin))  # a set-up that failed: all of it
+  if [ -f "$REPORTS/$name.setup" ]; then read -r setup <"$REPORTS/$name.setup"; fi
+  echo "$rc $setup $((SECONDS - begin - setup)) $LANE" >"$REPORTS/$name.times"
   # Any non-zero exit fails the run: set-up errors, test failures, and pytest's 5 for "no test collected".
-  if [ $rc -ne 0 ]; then status=1; echo "transformers $version: exited $rc"; fi
-done
-for version in "${MINIMAL[@]}"; do
-  echo "=== transformers $version, minimal environment ==="
-  (export CHATGLM_MINIMAL=1 CHATGLM_TEST_ENV=minimal && source "$ROOT/scripts/env.sh" "$version" >/dev/null && \
-    cd "$ROOT" && "$PY" - <<'CHECK' && "$PY" -m pytest -q --junitxml="$REPORTS/$version-minimal.xml" "${CORE[@]}" "$@")
+  if [ "$LANES" != 1 ]; then
+    { echo "=== $title (lane $LANE) ==="; cat "$log"; } | flock "$REPORTS/.print" cat
+  fi
+  if [ "$rc" -ne 0 ]; then echo "$title: exited $rc"; fi
+}
+
+# phase_run: the phase in a subshell (the environment's variables stay there); NAME.setup: the set-up's seconds.
+phase_run() (
+  local kind="$1" version="$2" torch="${3:-}" venv="${4:-}" begin=$SECONDS selection=()
+  case "$kind" in
+    matrix) [ -n "$venv" ] && export CHATGLM_VENV="$venv"
+            # The versions between the ends skip what is checked on the ends only (pytest.ini).
+            if [ "$version" != "$OLDEST" ] && [ "$version" != "$NEWEST" ]; then
+              selection=(-m "not matrix_ends and not release_independent"); fi ;;
+    minimal) export CHATGLM_MINIMAL=1 CHATGLM_TEST_ENV=minimal; selection=("${CORE[@]}") ;;
+    torch) export CHATGLM_TORCH="$torch"; selection=("${CORE[@]}" "${TORCH_SENSITIVE[@]}") ;;
+  esac
+  source "$ROOT/scripts/env.sh" "$version" >/dev/null || exit $?
+  # Two lanes on two cores: one torch thread each. Two threads per lane left four threads spinning for two cores (the
+  # same tests took 2.8 times the CPU); a lane on its own keeps torch's default.
+  if [ "$LANES" != 1 ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+  # optimum-quanto compiles its kernels on first use: into the environment, so that environments built side by side
+  # never share (or rebuild) one folder.
+  export TORCH_EXTENSIONS_DIR="$VENV/torch-extensions"
+  cd "$ROOT" || exit 1
+  if [ "$kind" = minimal ]; then "$PY" - <<'CHECK' || exit $?
 import importlib.util, sys
 present = [name for name in ("PIL", "peft", "torchao", "optimum", "trl", "torchvision") if importlib.util.find_spec(name)]
 sys.exit(f"the minimal environment holds optional packages: {present}" if present else 0)
 CHECK
-  rc=$?
-  if [ $rc -ne 0 ]; then status=1; echo "transformers $version, minimal environment: exited $rc"; fi
-done
-for end in "${TORCH_ENDS[@]}"; do
-  read -r torch version <<<"$end"
-  echo "=== torch $torch, transformers $version ==="
-  (export CHATGLM_TORCH="$torch" && source "$ROOT/scripts/env.sh" "$version" >/dev/null && cd "$ROOT" && \
-    "$PY" -m pytest -q --junitxml="$REPORTS/$version-torch$torch.xml" "${CORE[@]}" "${TORCH_SENSITIVE[@]}" "$@")
-  rc=$?
-  if [ $rc -ne 0 ]; then status=1; echo "torch $torch, transformers $version: exited $rc"; fi
-done
-python3 - "$REPORTS" <<'PY'
+  fi
+  echo $((SECONDS - begin)) >"$REPORTS/$name.setup"
+  "$PY" -m pytest -q "${selection[@]}" --junitxml="$REPORTS/$name.xml" "${PYTEST_ARGS[@]}"
+)
+
+# next_version: the first matrix version no lane has started ("" when none is left).
+next_version() {
+  flock "$REPORTS/.queue" bash -c 'head -n 1 "$0"; sed -i 1d "$0"' "$REPORTS/queue"
+}
+
+PYTEST_ARGS=("$@")
+if [ "$LANES" = 1 ]; then
+  LANE=1
+  for version in "${MATRIX[@]}"; do phase matrix "$version"; done
+  for version in "${MINIMAL[@]}"; do phase minimal "$version"; done
+  for end in "${TORCH_ENDS[@]}"; do read -r torch version <<<"$end"; phase torch "$version" "$torch"; done
+else
+  # The ends first (they run everything), then the versions between; a lane takes the next one when it is free.
+  for version in "$OLDEST" "$NEWEST" "${MATRIX[@]}"; do echo "$version"; done | awk '!seen[$0]++' >"$REPORTS/queue"
+  (LANE=1; while version="$(next_version)" && [ -n "$version" ]; do phase matrix "$version"; done) &
+  (LANE=2
+   for version in "${MINIMAL[@]}"; do phase minimal "$version"; done
+   for end in "${TORCH_ENDS[@]}"; do read -r torch version <<<"$end"; phase torch "$version" "$torch"; done
+   while version="$(next_version)" && [ -n "$version" ]; do phase matrix "$version" "" "$ROOT/.venv-matrix2"; done) &
+  wait
+fi
+python3 - "$REPORTS" "$((SECONDS - START))" <<'PY'
 import sys, pathlib, xml.etree.ElementTree as ET
+reports, wall = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 passed = failed = skipped = 0
-for report in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
-    for suite in ET.parse(report).getroot().iter("testsuite"):
-        tests, fail = int(suite.get("tests")), int(suite.get("failures")) + int(suite.get("errors"))
-        skip = int(suite.get("skipped"))
-        print(f"  transformers {report.stem}: {tests - fail - skip} passed, {fail} failed, {skip} skipped")
-        passed += tests - fail - skip; failed += fail; skipped += skip
+for times in sorted(reports.glob("*.times")):
+    rc, setup, tests, lane = times.read_text().split()
+    counts = "no report"
+    report = times.with_suffix(".xml")
+    if report.exists():
+        for suite in ET.parse(report).getroot().iter("testsuite"):
+            total, fail = int(suite.get("tests")), int(suite.get("failures")) + int(suite.get("errors"))
+            skip = int(suite.get("skipped"))
+            counts = f"{total - fail - skip} passed, {fail} failed, {skip} skipped"
+            passed += total - fail - skip; failed += fail; skipped += skip
+    print(f"  transformers {times.stem}: {counts}; set-up {setup} s, tests {tests} s (lane {lane}, exit {rc})")
+print(f"wall time: {wall} s")
 print(f"matrix: {passed} passed, {failed} failed, {skipped} skipped")
 PY
+status=0
+for times in "$REPORTS"/*.times; do read -r rc _ <"$times"; [ "$rc" = 0 ] || status=1; done
+ls "$REPORTS"/*.times >/dev/null 2>&1 || status=1
 rm -rf "$REPORTS"
 exit $status

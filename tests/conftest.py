@@ -41,10 +41,38 @@ def optional_package(module: str, package: str):
 MULTI_DEVICE_MODULES = ("test_devices", "test_parallel", "test_virtual_devices")
 
 
+# Tests whose outcome no transformers release can change: no transformers code runs in them (the simulated devices
+# on plain torch; the installer's file transactions, which import neither torch nor transformers). Marked
+# `release_independent`: the matrix's versions between its ends skip them (scripts/test.sh); the oldest and newest run
+# them. A test that starts to load, generate or tokenize through transformers leaves this list.
+RELEASE_INDEPENDENT = {
+    "test_virtual_devices": (
+        "test_forgotten_to_raises_like_a_gpu", "test_corrected_module_matches_cpu_forward_and_backward",
+        "test_every_mixing_operation_raises", "test_cpu_scalars_and_cpu_indices_are_accepted_as_on_cuda",
+        "test_transformer_operations_match_cpu_with_gradients",
+        "test_to_round_trips_through_every_device_as_real_copies", "test_safetensors_and_deepcopy",
+        "test_devices_exist_only_inside_the_block"),
+    "test_tools": (
+        "test_hub_cache_snapshot_survives_install_install_revert_and_shares_nothing",
+        "test_a_companion_file_added_to_the_code_files_later_is_installed_and_reverted",
+        "test_files_changed_by_hand_are_not_overwritten_without_force", "test_status_says_what_is_installed",
+        "test_refusals_exit_2_with_a_message_and_change_nothing", "test_refuses_to_install_into_this_repository",
+        "test_another_run_on_the_same_folder_is_turned_away",
+        "test_a_permission_error_at_any_step_leaves_the_folder_as_it_was",
+        "test_a_full_disk_after_any_number_of_bytes_leaves_the_folder_as_it_was",
+        "test_an_exception_or_ctrl_c_in_the_middle_of_the_renames_leaves_the_folder_as_it_was",
+        "test_sigkill_then_the_next_run_finishes_or_undoes_the_install",
+        "test_a_real_full_tmpfs_leaves_the_folder_as_it_was"),
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__ in MULTI_DEVICE_MODULES:
+        module = item.module.__name__
+        if module in MULTI_DEVICE_MODULES:
             item.add_marker(pytest.mark.multi_device)
+        if getattr(item, "originalname", item.name) in RELEASE_INDEPENDENT.get(module, ()):
+            item.add_marker(pytest.mark.release_independent)
 
 
 def pytest_sessionfinish(session, exitstatus):
