@@ -45,6 +45,8 @@ MULTI_DEVICE_MODULES = ("test_devices", "test_parallel", "test_virtual_devices")
 # on plain torch; the installer's file transactions, which import neither torch nor transformers). Marked
 # `release_independent`: the matrix's versions between its ends skip them (scripts/test.sh); the oldest and newest run
 # them. A test that starts to load, generate or tokenize through transformers leaves this list.
+# Whole modules with no transformers code in them: the docs' links and file lists, the data folder and its refresh.
+RELEASE_INDEPENDENT_MODULES = ("test_docs", "test_testdata")
 RELEASE_INDEPENDENT = {
     "test_virtual_devices": (
         "test_forgotten_to_raises_like_a_gpu", "test_corrected_module_matches_cpu_forward_and_backward",
@@ -71,7 +73,8 @@ def pytest_collection_modifyitems(config, items):
         module = item.module.__name__
         if module in MULTI_DEVICE_MODULES:
             item.add_marker(pytest.mark.multi_device)
-        if getattr(item, "originalname", item.name) in RELEASE_INDEPENDENT.get(module, ()):
+        if module in RELEASE_INDEPENDENT_MODULES or \
+                getattr(item, "originalname", item.name) in RELEASE_INDEPENDENT.get(module, ()):
             item.add_marker(pytest.mark.release_independent)
 
 
