@@ -437,6 +437,12 @@ def validate_config(config: ChatGLMConfig):
             "auto_map points at ChatGLM's code by mistake. Load it with its own class."
         )
     rope_fields = {name: getattr(config, name, None) for name in ("rope_scaling", "rope_parameters", "rope_theta")}
+    # transformers 5's rope_parameters of the default type (GPTQModel writes it on every config; 5.x reads
+    # rope_scaling as the same field) says nothing rope_ratio does not: its theta is not read.
+    parameters = rope_fields["rope_parameters"]
+    if isinstance(parameters, dict) and parameters.get("rope_type", parameters.get("type")) == "default" and \
+            set(parameters) <= {"rope_type", "type", "rope_theta"}:
+        rope_fields = {name: value for name, value in rope_fields.items() if value is not parameters}
     if any(value is not None for value in rope_fields.values()):
         raise ValueError(
             f"config has {', '.join(n for n, v in rope_fields.items() if v is not None)}, which ChatGLM/GLM-4 do not "

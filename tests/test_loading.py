@@ -397,7 +397,9 @@ def test_sizes_that_cannot_fit_in_memory_are_refused_before_allocation(chatglm, 
 
 ROPE_FIELDS = [{"rope_scaling": {"type": "linear", "factor": 2.0}},
                {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}},
-               {"rope_scaling": {"type": "bogus"}}, {"rope_theta": 5e6}, {"rope_parameters": {"rope_type": "default"}}]
+               {"rope_scaling": {"type": "bogus"}}, {"rope_theta": 5e6},
+               {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+               {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "factor": 2.0}}]
 
 
 @pytest.mark.parametrize("fields", ROPE_FIELDS, ids=[next(iter(f)) + str(i) for i, f in enumerate(ROPE_FIELDS)])
