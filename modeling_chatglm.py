@@ -16,7 +16,7 @@ Where to change what (section: names):
   a new attention kernel        Attention: `attention_function` (dispatch), `build_attention_mask` (the mask it
                                 takes); its `_supports_*` flag on ChatGLMPreTrainedModel
   the KV cache                  KV cache: `cache_for_forward`, `new_static_cache`, `cached_length` (checks); layers
-                                write only through `past_key_values.update` in SelfAttention
+                                write only through `kv_cache.update` in SelfAttention
   the KV cache across devices   each layer's keys stay on its device (SelfAttention's update); Devices:
                                 `device_boundary`, and `LayerInputs` (Attention) copies per-layer inputs per device
   a device map, or its checks   Devices: `balanced_device_map`, `check_device_map`, `check_devices_exist`
@@ -45,6 +45,10 @@ Where to change what (section: names):
                                 by `use_quantized_kernel`)
   a name the original objects   the class that has it (`CoreAttention` holds the attention's); ChatGLM2-only
   had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads shared/surface
+  a call between modules        the original's contracts (shared/surface/*-calls.json, tests/test_contracts.py):
+                                GLMTransformer (encoder), GLMBlock, SelfAttention, CoreAttention, RotaryEmbedding
+                                say what travels in each argument; `LayerInputs` carries this file's own values,
+                                `computes_unobserved` decides where a hooked or replaced module gets the original's
 """
 
 import ast
@@ -443,6 +447,10 @@ def validate_config(config: ChatGLMConfig):
     if isinstance(parameters, dict) and parameters.get("rope_type", parameters.get("type")) == "default" and \
             set(parameters) <= {"rope_type", "type", "rope_theta"}:
         rope_fields = {name: value for name, value in rope_fields.items() if value is not parameters}
+        theta, base = parameters.get("rope_theta"), 10000 * getattr(config, "rope_ratio", 1)
+        if theta is not None and theta != base:
+            logger.warning_once(f"rope_parameters gives rope_theta={theta!r}, but this model rotates with the base "
+                                f"10000 * rope_ratio = {base!r}, as the original does: rope_theta is not read.")
     if any(value is not None for value in rope_fields.values()):
         raise ValueError(
             f"config has {', '.join(n for n, v in rope_fields.items() if v is not None)}, which ChatGLM/GLM-4 do not "
@@ -1610,6 +1618,7 @@ def original_attention_mask(padding_mask, batch_size: int, query_length: int, pa
     if past_length:
         mask = torch.cat((mask.new_ones(batch_size, query_length, past_length), mask), dim=-1)
     if padding_mask is not None:
+        padding_mask = padding_mask.to(mask.dtype)  # (a boolean or integer mask too)
         mask = mask * padding_mask.unsqueeze(1)
         if not past_length:
             mask -= padding_mask.unsqueeze(-1) - 1
