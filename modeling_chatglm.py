@@ -1691,9 +1691,10 @@ class LayerInputs:
 def checked_layer_inputs(rotary_pos_emb) -> LayerInputs:
     if not isinstance(rotary_pos_emb, LayerInputs):
         raise TypeError(
-            f"The layers of this model take, as `rotary_pos_emb`, the object ChatGLMModel's forward hands to the "
-            f"encoder (LayerInputs: rotary tables, mask and kernel of one forward), not a {type(rotary_pos_emb).__name__}:"
-            " call the model, or pass on the `rotary_pos_emb` a layer of it was called with."
+            "The layers of this model take, as `rotary_pos_emb`, the object ChatGLMModel's forward hands to the "
+            "encoder (LayerInputs: rotary tables, mask and kernel of one forward), not a "
+            f"{type(rotary_pos_emb).__name__}: call the model, or pass on the `rotary_pos_emb` a layer of it was "
+            "called with."
         )
     return rotary_pos_emb
 
