@@ -11,6 +11,9 @@ GLM-4V (glm-4v-9b) configs add `vision_config` (the EVA2-CLIP tower's sizes, wit
 import math
 
 from transformers import PretrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 try:  # transformers >= 4.48: the attention kernels registered by name
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as _ATTENTION_REGISTRY
@@ -75,17 +78,40 @@ def reject_other_families(fields: dict):
 
 def reject_rope_fields(fields: dict, rope_ratio):
     """rope_scaling / rope_parameters / rope_theta of other families' configs are not read by this architecture:
-    refused rather than silently ignored. A rope_theta equal to 10000 * rope_ratio says the same thing and is
-    dropped."""
+    refused rather than silently ignored. What says no more than rope_ratio does is accepted: transformers 5's
+    standard field of the default type, `rope_parameters={'rope_type': 'default', 'rope_theta': ...}`, which
+    GPTQModel and transformers 5 write on every config (kept, and written back on save; a theta other than
+    10000 * rope_ratio is reported once, and the rotary stays rope_ratio's), and a rope_theta equal to 10000 *
+    rope_ratio (dropped)."""
+    parameters = fields.get("rope_parameters")
+    if is_default_rope(parameters):
+        report_rope_theta(parameters.get("rope_theta"), rope_ratio)
     for name in ("rope_scaling", "rope_parameters"):
-        if fields.get(name) is not None:
-            raise ValueError(f"ChatGLMConfig does not implement {name} ({fields[name]!r}). {ROPE_RATIO_HINT}, and "
+        value = fields.get(name)
+        if value is not None and not is_default_rope(value):
+            raise ValueError(f"ChatGLMConfig does not implement {name} ({value!r}). {ROPE_RATIO_HINT}, and "
                              f"remove {name} from config.json.")
-        fields.pop(name, None)
+        if value is None or name == "rope_scaling":  # (5.x reads rope_scaling as rope_parameters)
+            fields.pop(name, None)
     theta = fields.pop("rope_theta", None)
     if theta is not None and not (is_number(theta) and is_number(rope_ratio) and theta == 10000 * rope_ratio):
         raise ValueError(f"ChatGLMConfig does not read rope_theta ({theta!r}). {ROPE_RATIO_HINT}: rope_ratio = "
                          "rope_theta / 10000, and remove rope_theta from config.json.")
+
+
+def is_default_rope(value) -> bool:
+    """transformers 5's rope_parameters of the plain rotary: its type and theta, nothing else."""
+    return isinstance(value, dict) and value.get("rope_type", value.get("type")) == "default" and \
+        set(value) <= {"rope_type", "type", "rope_theta"}
+
+
+def report_rope_theta(theta, rope_ratio):
+    if theta is not None and not (is_number(theta) and is_number(rope_ratio) and theta == 10000 * rope_ratio):
+        logger.warning_once(
+            f"rope_parameters gives rope_theta={theta!r}, but this model rotates with the base 10000 * rope_ratio = "
+            f"{10000 * rope_ratio!r} (rope_ratio={rope_ratio!r}), as the original does: rope_theta is not read. "
+            "(GPTQModel and transformers 5 write rope_parameters with their default theta on every config.)"
+        )
 
 
 def is_number(value) -> bool:

@@ -16,7 +16,7 @@ Where to change what (section: names):
   a new attention kernel        Attention: `attention_function` (dispatch), `build_attention_mask` (the mask it
                                 takes); its `_supports_*` flag on ChatGLMPreTrainedModel
   the KV cache                  KV cache: `cache_for_forward`, `new_static_cache`, `cached_length` (checks); layers
-                                write only through `past_key_values.update` in SelfAttention
+                                write only through `kv_cache.update` in SelfAttention
   the KV cache across devices   each layer's keys stay on its device (SelfAttention's update); Devices:
                                 `device_boundary`, and `LayerInputs` (Attention) copies per-layer inputs per device
   a device map, or its checks   Devices: `balanced_device_map`, `check_device_map`, `check_devices_exist`
@@ -45,6 +45,11 @@ Where to change what (section: names):
                                 by `use_quantized_kernel`)
   a name the original objects   the class that has it (`CoreAttention` holds the attention's); ChatGLM2-only
   had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads testdata/surface
+  a call between modules        the original's contracts (testdata/surface/*-calls.json, tests/test_contracts.py):
+                                GLMTransformer (encoder), GLMBlock, SelfAttention, CoreAttention, RotaryEmbedding
+                                say what travels in each argument; `LayerInputs` carries this file's own values,
+                                `computes_unobserved` decides where a hooked or replaced module gets the original's
+                                tensors instead
 """
 
 import ast
@@ -66,6 +71,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks  # (computes_unobserved)
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import (
@@ -436,6 +442,16 @@ def validate_config(config: ChatGLMConfig):
             "auto_map points at ChatGLM's code by mistake. Load it with its own class."
         )
     rope_fields = {name: getattr(config, name, None) for name in ("rope_scaling", "rope_parameters", "rope_theta")}
+    # transformers 5's rope_parameters of the default type (GPTQModel writes it on every config; 5.x reads
+    # rope_scaling as the same field) says nothing rope_ratio does not: its theta is not read.
+    parameters = rope_fields["rope_parameters"]
+    if isinstance(parameters, dict) and parameters.get("rope_type", parameters.get("type")) == "default" and \
+            set(parameters) <= {"rope_type", "type", "rope_theta"}:
+        rope_fields = {name: value for name, value in rope_fields.items() if value is not parameters}
+        theta, base = parameters.get("rope_theta"), 10000 * getattr(config, "rope_ratio", 1)
+        if theta is not None and theta != base:
+            logger.warning_once(f"rope_parameters gives rope_theta={theta!r}, but this model rotates with the base "
+                                f"10000 * rope_ratio = {base!r}, as the original does: rope_theta is not read.")
     if any(value is not None for value in rope_fields.values()):
         raise ValueError(
             f"config has {', '.join(n for n, v in rope_fields.items() if v is not None)}, which ChatGLM/GLM-4 do not "
@@ -1304,7 +1320,12 @@ class RotaryEmbedding(nn.Module):
     """GLM's rotary embedding: the first half of each head's channels turns, as interleaved pairs, with the base
     10000 * rope_ratio; chatglm2-6b-32k divides the positions by rope_ratio instead (`rotary_reading`). Every
     rotary table of the model (cached steps, static cache, device maps, tensor parallelism, P-tuning) is this
-    module's."""
+    module's.
+
+    Its `forward(max_seq_len, offset=0)` is the original's: the table of positions 0 .. max_seq_len - 1
+    [max_seq_len, dim / 2, (cos, sin)]. The model calls it as the original does (`rotary_pos_emb(seq_length)`, then
+    rows by position id) when a hook or a replaced `forward` observes it; otherwise it computes only the rows its
+    positions need (`cos_sin`), the same values, without a table of seq_length rows per forward."""
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
@@ -1331,22 +1352,35 @@ class RotaryEmbedding(nn.Module):
         if self.inv_freq.device.type == "cpu":
             self.inv_freq = self.inv_freq.clone()
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for `position_ids` [batch, seq] over a head's whole width: [batch, 1, seq, head_dim]. On the
-        turning channels each value repeats for its pair, sin with the pair's signs (-, +); the other channels pass
-        (cos 1, sin 0). Made once per forward, so that each layer turns its queries and keys in four operators
-        (SelfAttention.rotated_heads)."""
-        steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=position_ids.device)
-        theta = 1.0 / (self.base ** (steps / self.rotary_channels))
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        """The original's call: the table of positions 0 .. max_seq_len - 1 in inv_freq's dtype, on its device
+        (`offset` is accepted and, as in the original, not read)."""
+        return self.forward_impl(max_seq_len, self.dim, dtype=self.inv_freq.dtype, device=self.inv_freq.device)
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The rows of `position_ids` [batch, seq] of the original's table, as the layers rotate with them
+        (`head_tables`): computed for those positions alone."""
+        theta = self.theta(position_ids.device)
         positions = position_ids[..., None].float()
         if self.position_divisor != 1.0:  # position interpolation (chatglm2-6b-32k)
             positions = positions / self.position_divisor
         angles = positions * theta
-        sin = angles.sin()
+        return self.head_tables(angles.cos(), angles.sin(), dtype)
+
+    def head_tables(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [batch, seq, dim / 2] (one angle per pair) over a head's whole width: [batch, 1, seq,
+        head_dim]. On the turning channels each value repeats for its pair, sin with the pair's signs (-, +); the
+        other channels pass (cos 1, sin 0). Made once per forward, so that each layer turns its queries and keys in
+        four operators (SelfAttention.rotated_heads)."""
         passing = self.head_dim - self.rotary_channels
-        cos = F.pad(angles.cos().repeat_interleave(2, dim=-1), (0, passing), value=1.0)
+        cos = F.pad(cos.repeat_interleave(2, dim=-1), (0, passing), value=1.0)
         sin = F.pad(torch.stack((-sin, sin), dim=-1).flatten(-2), (0, passing))
         return cos[:, None].to(dtype), sin[:, None].to(dtype)
+
+    def theta(self, device: torch.device) -> torch.Tensor:
+        steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=device)
+        return 1.0 / (self.base ** (steps / self.rotary_channels))
 
     # The original's names: `dim` (rotated channels per head), `original_impl`, and its table of positions 0 ..
     # seq_len - 1 as `forward_impl` computes it ([seq_len, n_elem / 2, (cos, sin)], half precision kept).
@@ -1355,7 +1389,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward_impl(self, seq_len: int, n_elem: int, dtype: torch.dtype, device: torch.device, base: int = 10000):
         steps = torch.arange(0, n_elem, 2, dtype=torch.float, device=device)
-        theta = 1.0 / ((base * self.base / 10000.0) ** (steps / n_elem))
+        root = self.base if base == 10000 else base * self.base / 10000.0  # (the same float as cos_sin's)
+        theta = 1.0 / (root ** (steps / n_elem))
         positions = torch.arange(seq_len, dtype=torch.float, device=device) / self.position_divisor
         angles = torch.outer(positions, theta).float()
         cache = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
@@ -1397,8 +1432,8 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     computed divided by the layer number and multiplied back after the upcast, so fp16 products cannot overflow;
     the layer scaling forces the fp32 softmax, as in the original."""
     config = module.config
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
+    groups = query.shape[1] // key.shape[1]  # 1 where the caller repeated them (the original's call of core_attention)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     coeff = module.layer_number if config.apply_query_key_layer_scaling else 1
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling / coeff)
     if config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling:
@@ -1419,7 +1454,7 @@ def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dr
     does, and so does an unmasked prompt on torch < 2.5 (folding the groups into the query rows instead would need an
     explicit causal mask of groups x prompt x keys, larger than the copy, and would lose the fused causal kernels)."""
     batch, heads, query_length, dim = query.shape
-    groups = module.num_key_value_groups
+    groups = heads // key.shape[1]  # 1 where the caller repeated them (the original's call of core_attention)
     if groups > 1 and query_length == 1:
         out = F.scaled_dot_product_attention(
             query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask,
@@ -1502,18 +1537,29 @@ def flash_varlen_kwargs(sequence_ids: torch.Tensor, position_ids: torch.Tensor, 
 
 def build_attention_mask(implementation, attention_mask, query_positions, key_length, *, batch_size,
                          preallocated=False, sequence_ids=None, prefix=0):
-    """The mask the attention kernels take.
+    """The mask the attention kernels take (the first of `attention_masks`)."""
+    return attention_masks(implementation, attention_mask, query_positions, key_length, batch_size=batch_size,
+                           preallocated=preallocated, sequence_ids=sequence_ids, prefix=prefix)[0]
+
+
+def attention_masks(implementation, attention_mask, query_positions, key_length, *, batch_size,
+                    preallocated=False, sequence_ids=None, prefix=0):
+    """The mask the attention kernels take, and the original's mask where the original builds one.
 
     attention_mask: None, a [batch, past + new] padding mask (1 = token, 0 = padding), or a 4D mask (a custom one,
     or one generate() prepared for a static cache: passed through). query_positions: [1, new], each query's slot in
     the cache; preallocated: the cache has key_length slots, those beyond the last query unwritten (static caches).
     sequence_ids: packed rows (packed_sequence_ids), each token attending only within its own sequence and to the
     `prefix` slots (a P-tuning v2 prefix) that lead the cache.
-    Returns None (plain causal), a 2D [batch, key_length] padding mask for the flash kernels (they apply causality
-    and packing themselves), or a boolean [batch, 1, new, key_length] mask, True where a query may attend.
+    Returns (ours, original). Ours: None (plain causal), a 2D [batch, key_length] padding mask for the flash kernels
+    (they apply causality and packing themselves), or a boolean [batch, 1, new, key_length] mask, True where a query
+    may attend. The original's (`original_attention_mask`, True where a query must NOT look) where its forward builds
+    one: a 2-D mask with padding, or several new tokens after cached ones; else None (as there; also for the steps of
+    a static cache, a custom 4D mask, which the original does not have, and the flash kernels' decode steps). It
+    costs no operator in a decode step.
     """
     if attention_mask is not None and attention_mask.dim() == 4:
-        return attention_mask
+        return attention_mask, None
     query_length = query_positions.shape[-1]
     # Without padding, causality alone is the mask when the keys end with the queries (a prompt, one token on a cache
     # that grows) or when a prompt fills an empty preallocated cache (its unwritten slots lie beyond every query;
@@ -1524,6 +1570,10 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
         prefill, decode = query_length == key_length, query_length == 1
     if attention_mask is not None and prefill and not is_compiling() and bool(attention_mask.all()):
         attention_mask = None  # one host sync per prompt buys the fused causal kernels (none per decode step)
+    original = None
+    if not preallocated and not decode and (attention_mask is not None or not prefill):
+        original = original_attention_mask(attention_mask, batch_size, query_length, key_length - query_length,
+                                           query_positions.device)
     key_positions = torch.arange(key_length, device=query_positions.device)
     if implementation.startswith("flash"):
         if sequence_ids is not None and prefix:
@@ -1533,12 +1583,13 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
             attention_mask = (key_positions[None] <= query_positions[:, -1:]).expand(batch_size, -1)
         if attention_mask is not None and attention_mask.shape[-1] < key_length:
             attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[-1]), value=0)
-        return attention_mask
+        return attention_mask, original
     if attention_mask is None and sequence_ids is None and (decode or (prefill and implementation == "sdpa")):
-        return None
-    if decode:  # one new token on a cache that grows: every key precedes it, the padding alone is the mask
-        padding = attention_mask.bool()[:, None, None, :]
-        return padding | ~padding.any(dim=-1, keepdim=True)
+        return None, original
+    if decode:  # one new token on a cache that grows: every key precedes it, the padding alone is the mask (the
+        # original's is its complement); a row of padding alone sees every key
+        blocked = padding_blocked(attention_mask)
+        return ~blocked | blocked.all(dim=-1, keepdim=True), blocked
     mask = key_positions[None, None, :] <= query_positions[:, :, None]
     if sequence_ids is not None:  # a prompt: every query sees the prefix slots, then the keys of its own sequence
         # (a static cache's slots after the prompt are unwritten)
@@ -1552,7 +1603,27 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
     # A padding query sees no key at all; let it see every key so that its softmax stays finite (its output is
     # never used by a real token).
     mask = mask | ~mask.any(dim=-1, keepdim=True)
-    return mask[:, None]
+    return mask[:, None], original
+
+
+def padding_blocked(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[batch, keys] padding mask -> [batch, 1, 1, keys], True at padding: the original's mask of a decode step."""
+    return (attention_mask == 0)[:, None, None, :]
+
+
+def original_attention_mask(padding_mask, batch_size: int, query_length: int, past_length, device) -> torch.Tensor:
+    """The original's attention mask (its get_masks): [batch, 1, new, past + new], True where a query must NOT
+    look: causal, every cached slot visible, keys at padding (0 in the 2-D `padding_mask`, past included) hidden,
+    and in a prompt each padded query row sees every key."""
+    mask = torch.ones(batch_size, query_length, query_length, device=device).tril_()
+    if past_length:
+        mask = torch.cat((mask.new_ones(batch_size, query_length, past_length), mask), dim=-1)
+    if padding_mask is not None:
+        padding_mask = padding_mask.to(mask.dtype)  # (a boolean or integer mask too)
+        mask = mask * padding_mask.unsqueeze(1)
+        if not past_length:
+            mask -= padding_mask.unsqueeze(-1) - 1
+    return (mask < 0.5).unsqueeze(1)
 
 
 class AttentionInputs(NamedTuple):
@@ -1560,18 +1631,27 @@ class AttentionInputs(NamedTuple):
 
     cos: torch.Tensor
     sin: torch.Tensor
-    mask: Optional[torch.Tensor]  # build_attention_mask's
+    mask: Optional[torch.Tensor]  # attention_masks' first
     cache_position: torch.Tensor  # the cache slots of the new tokens
     implementation: str  # the kernel of this forward (attention_implementation)
     kernel_kwargs: dict  # extra keyword arguments for the kernel (attention backends, packed flash rows)
+    weights: Optional[dict]  # with output_attentions: each layer's attention weights, by layer index (CoreAttention)
 
 
 class LayerInputs:
-    """AttentionInputs made once per forward and copied to each device that holds layers once, not once per layer."""
+    """What every layer reads besides the hidden states, made once per forward. The model hands it to the encoder,
+    and the encoder to each layer, in the original's `rotary_pos_emb` argument: tools that copy a layer's arguments
+    and call it again (GPTQ's layer replay) pass it on unchanged, as any object that is not a tensor or a container.
+    Copied to each device that holds layers once, not once per layer. `original_mask` is the original's mask of this
+    forward, or None where the original has none (attention_masks), which the model passes as `attention_mask`."""
 
-    def __init__(self, inputs: AttentionInputs):
+    def __init__(self, inputs: AttentionInputs, original_mask: Optional[torch.Tensor], eager_mask, sizes: tuple):
         self._source = inputs
         self._copies = {}
+        self.original_mask = original_mask
+        self._eager_mask = eager_mask  # builds our boolean mask: only for the original's call of core_attention
+        self._sizes = sizes  # (batch, new tokens, keys)
+        self._blocked = {}
 
     def on(self, device: Optional[torch.device]) -> AttentionInputs:
         if device not in self._copies:
@@ -1583,16 +1663,63 @@ class LayerInputs:
             self._copies[device] = AttentionInputs(
                 device_boundary(source.cos, device), device_boundary(source.sin, device),
                 device_boundary(source.mask, device), device_boundary(source.cache_position, device),
-                source.implementation, kernel_kwargs)
+                source.implementation, kernel_kwargs, source.weights)
         return self._copies[device]
+
+    def blocked(self, device: torch.device) -> torch.Tensor:
+        """The mask of the original's call of core_attention: [batch, 1, new, keys], True where a query must NOT
+        look, always a tensor (a function written to that call may not take None). The original's own where it
+        covers every key; else the complement of the eager kernel's (static caches, custom masks, no padding)."""
+        if device not in self._blocked:
+            batch, new, keys = self._sizes
+            mask = self.original_mask
+            if mask is None or mask.shape[-1] != keys:
+                allowed = self._eager_mask()
+                if allowed is None:  # one new token, no padding: every key
+                    mask = torch.zeros(batch, 1, new, keys, dtype=torch.bool, device=self._source.cos.device)
+                else:  # a custom additive mask hides with large negative values
+                    mask = ~allowed if allowed.dtype == torch.bool else allowed < 0
+            self._blocked[device] = device_boundary(mask, device)
+        return self._blocked[device]
+
+    def attentions(self, num_layers: int) -> Optional[tuple]:
+        """The attention weights of every layer, with output_attentions (None where a replaced core_attention
+        gave none)."""
+        weights = self._source.weights
+        return None if weights is None else tuple(weights.get(index) for index in range(num_layers))
+
+
+def checked_layer_inputs(rotary_pos_emb) -> LayerInputs:
+    if not isinstance(rotary_pos_emb, LayerInputs):
+        raise TypeError(
+            "The layers of this model take, as `rotary_pos_emb`, the object ChatGLMModel's forward hands to the "
+            "encoder (LayerInputs: rotary tables, mask and kernel of one forward), not a "
+            f"{type(rotary_pos_emb).__name__}: call the model, or pass on the `rotary_pos_emb` a layer of it was "
+            "called with."
+        )
+    return rotary_pos_emb
+
+
+def computes_unobserved(module: nn.Module, forward) -> bool:
+    """Whether `module` runs this file's `forward` with nothing watching it: no forward hook and no replaced
+    `forward` (on the instance or its class). accelerate's device hooks wrap our forward without changing what it
+    computes, and count as ours. Tools that hook or replace a module are written to the original's call, so a
+    module they observe gets the original's values; otherwise this file's cheaper ones."""
+    if module._forward_hooks or module._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks:
+        return False
+    bound = module.__dict__["_old_forward"] if "_hf_hook" in module.__dict__ else module.forward
+    return getattr(bound, "__func__", None) is forward
 
 
 class CoreAttention(nn.Module):
-    """The attention kernel's call of one layer, a submodule as in the original (`self_attention.core_attention`):
-    a forward hook or a patched `forward` on it sees every attention computation. It holds no weights. Takes and
-    returns transformers' layout: query [batch, heads, seq, dim], key and value [batch, kv_heads, keys, dim] ->
-    (output [batch, seq, heads, dim], weights or None). Kernels get it as their `module`: it has what they read
-    (`config`, `layer_idx`, `is_causal`, `num_key_value_groups`, `scaling`, `training`) and the original's names.
+    """The attention kernel's call of one layer, a submodule as in the original (`self_attention.core_attention`).
+    It holds no weights. forward(query_layer, key_layer, value_layer, attention_mask) -> [batch, seq, heads * dim] is
+    the original's contract (GLM-4's layout, batch first): query [batch, heads, seq, dim], key and value [batch,
+    heads, keys, dim] repeated to every query head, attention_mask True where a query must NOT look. SelfAttention
+    calls it so whenever a hook or a replaced forward observes it (optimum-intel's OpenVINO export replaces it), and
+    otherwise with its cheaper values: key and value per group, and the forward's AttentionInputs in the mask's place
+    (the kernel's own mask, None where causality alone masks). Kernels get it as their `module`: it has what they
+    read (`config`, `layer_idx`, `is_causal`, `num_key_value_groups`, `scaling`, `training`) and the original's names.
     Its class is named after the attention implementation the model was built with, as GLM-4's original names it
     (SdpaAttention, FlashAttention2 are subclasses; eager is CoreAttention)."""
 
@@ -1601,7 +1728,7 @@ class CoreAttention(nn.Module):
         self.config = config
         self.layer_number = max(1, layer_number)
         self.layer_idx = layer_number - 1
-        self.sizes = AttentionSizes.from_config(config)  # per rank under tensor parallelism (SelfAttention.sizes)
+        self.sizes = AttentionSizes.from_config(config)  # SelfAttention keeps them per rank (tensor parallelism)
         self.is_causal = True
         self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
         # The layer scaling forces the fp32 softmax (eager_attention_forward), as in the original.
@@ -1616,11 +1743,33 @@ class CoreAttention(nn.Module):
     hidden_size_per_attention_head = property(lambda self: self.sizes.head_dim)
     hidden_size_per_partition = property(lambda self: self.sizes.num_heads * self.sizes.head_dim)
 
-    def forward(self, query, key, value, attention_mask, implementation: Optional[str] = None, **kernel_kwargs):
-        attend = attention_function(implementation)
+    def forward(self, query_layer, key_layer, value_layer, attention_mask):
         dropout = self.attention_dropout.p if self.training else 0.0
-        return attend(self, query, key, value, attention_mask,
-                      **{**kernel_kwargs, "dropout": dropout, "scaling": self.scaling})
+        if isinstance(attention_mask, AttentionInputs):  # this file's call
+            inputs = attention_mask
+            out, weights = attention_function(inputs.implementation)(
+                self, query_layer, key_layer, value_layer, inputs.mask,
+                **{**inputs.kernel_kwargs, "dropout": dropout, "scaling": self.scaling})
+            if inputs.weights is not None:
+                inputs.weights[self.layer_idx] = weights
+        else:  # the original's call (the repeated heads count as groups of one)
+            kernel = eager_attention_forward if self.config._attn_implementation in (None, "eager") else \
+                sdpa_grouped_attention_forward
+            out, _ = kernel(self, query_layer, key_layer, value_layer,
+                            allowed_by_original_mask(attention_mask, query_layer, key_layer),
+                            dropout=dropout, scaling=self.scaling)
+        return out.flatten(2)
+
+
+def allowed_by_original_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> Optional[torch.Tensor]:
+    """The original's mask (True where a query must NOT look; None: causal, the new tokens last) as our kernels
+    take it."""
+    if attention_mask is not None:
+        return ~attention_mask if attention_mask.dtype == torch.bool else attention_mask
+    new, keys = query.shape[-2], key.shape[-2]
+    if new == 1:
+        return None
+    return torch.ones(new, keys, dtype=torch.bool, device=query.device).tril_(keys - new)
 
 
 class SdpaAttention(CoreAttention):
@@ -1639,12 +1788,20 @@ def core_attention_class(config) -> type:
 
 
 class SelfAttention(nn.Module):
+    """The attention of one layer: forward(hidden_states, attention_mask, rotary_pos_emb, kv_cache=None,
+    use_cache=True) -> (output, kv_cache), the original's contract. What travels in those arguments is this file's
+    where the original's would cost: `rotary_pos_emb` is the forward's LayerInputs (rotary tables, the kernel's mask,
+    the kernel), `kv_cache` the model's Cache object, which the layer writes its keys and values into (the same
+    object comes back; None with use_cache=False). `attention_mask` is the original's mask, for the tools that read
+    it: the kernel's own comes with rotary_pos_emb."""
+
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
         self.config = config
         self.layer_number = max(1, layer_number)
         self.layer_idx = layer_number - 1
         self.core_attention = core_attention_class(config)(config, layer_number)
+        self.sizes = AttentionSizes.from_config(config)
         self.is_causal = True
         linear = linear_layer(config)
         self.query_key_value = linear(
@@ -1654,15 +1811,18 @@ class SelfAttention(nn.Module):
 
     @property
     def sizes(self) -> AttentionSizes:
-        """This layer's head counts (a rank's under tensor parallelism), kept by core_attention, which reads them."""
-        return self.core_attention.sizes
+        """This layer's head counts (a rank's under tensor parallelism), handed on to our core_attention, whose
+        kernels read them (a core_attention replaced by another module keeps its own)."""
+        return self._sizes
 
     @sizes.setter
     def sizes(self, sizes: AttentionSizes):
-        self.core_attention.sizes = sizes
+        self._sizes = sizes
+        if isinstance(self._modules.get("core_attention"), CoreAttention):
+            self.core_attention.sizes = sizes
 
     num_key_value_groups = property(lambda self: self.sizes.groups)
-    scaling = property(lambda self: self.core_attention.scaling)
+    scaling = property(lambda self: self.sizes.head_dim ** -0.5)
     # The original's size attributes (per rank under tensor parallelism, as its "per partition" names say).
     num_attention_heads_per_partition = property(lambda self: self.sizes.num_heads)
     hidden_size_per_attention_head = property(lambda self: self.sizes.head_dim)
@@ -1696,15 +1856,20 @@ class SelfAttention(nn.Module):
         query, key = heads.transpose(1, 2).split([s.num_heads, s.num_kv_heads], dim=1)
         return query, key.contiguous(), value.unflatten(-1, (-1, s.head_dim)).transpose(1, 2).contiguous()
 
-    def forward(self, hidden_states, inputs: AttentionInputs, past_key_values=None):
-        batch, seq, _ = hidden_states.shape
+    def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True):
+        layer_inputs = checked_layer_inputs(rotary_pos_emb)
+        inputs = layer_inputs.on(hidden_states.device)
         query, key, value = self.rotated_heads(self.query_key_value(hidden_states), inputs.cos, inputs.sin)
-        if past_key_values is not None:
+        if kv_cache is not None:
             # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
-            key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": inputs.cache_position})
-        out, weights = self.core_attention(query, key, value, inputs.mask, inputs.implementation,
-                                           **inputs.kernel_kwargs)
-        return self.dense(out.reshape(batch, seq, -1)), weights
+            key, value = kv_cache.update(key, value, self.layer_idx, {"cache_position": inputs.cache_position})
+        if computes_unobserved(self.core_attention, CoreAttention.forward):
+            context = self.core_attention(query, key, value, inputs)
+        else:  # observed or replaced: the original's values (heads repeated, its mask)
+            groups = query.shape[1] // key.shape[1]
+            context = self.core_attention(query, repeat_kv(key, groups), repeat_kv(value, groups),
+                                          layer_inputs.blocked(query.device))
+        return self.dense(context), (kv_cache if use_cache else None)
 
 
 # ======================================================================================================================
@@ -1770,8 +1935,11 @@ def make_norm(config: ChatGLMConfig) -> nn.Module:
 
 
 class GLMBlock(GradientCheckpointingLayer):
-    """One layer. Under gradient checkpointing it recomputes itself in the backward pass (GradientCheckpointingLayer):
-    hidden_states stay the first positional argument."""
+    """One layer: forward(hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True) ->
+    (hidden_states, kv_cache), the original's contract, its arguments handed to SelfAttention as they come. Under
+    gradient checkpointing it recomputes itself in the backward pass (GradientCheckpointingLayer): hidden_states
+    stay the first positional argument; the cache comes as `kv_cache`, a name no release's checkpointing drops (a
+    checkpointed layer still reads a P-tuning v2 prefix through it, PrefixOnlyCache)."""
 
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
@@ -1790,19 +1958,18 @@ class GLMBlock(GradientCheckpointingLayer):
         out = norm(hidden_states)
         return out.to(norm.weight.dtype) if self.fp32_residual_connection else out
 
-    def forward(self, hidden_states, inputs: AttentionInputs, past_key_values=None):
-        # past_key_values is positional: GradientCheckpointingLayer (5.x) drops a cache passed by keyword, and a
-        # checkpointed layer still reads a P-tuning v2 prefix through it (PrefixOnlyCache).
+    def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True):
         normed = self.norm(self.input_layernorm, hidden_states)
         residual = normed if self.apply_residual_connection_post_layernorm else hidden_states
         # The attention output is rebound to the sum at once, not kept alive through the MLP (peak memory).
-        hidden_states, weights = self.self_attention(normed, inputs, past_key_values)
+        hidden_states, kv_cache = self.self_attention(normed, attention_mask, rotary_pos_emb, kv_cache=kv_cache,
+                                                      use_cache=use_cache)
         hidden_states = residual + self.dropout(hidden_states)
 
         normed = self.norm(self.post_attention_layernorm, hidden_states)
         residual = normed if self.apply_residual_connection_post_layernorm else hidden_states
         hidden_states = residual + self.dropout(self.mlp(normed))
-        return hidden_states, weights
+        return hidden_states, kv_cache
 
     def dropout(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0:  # no operator at all in inference (one less per sublayer)
@@ -1811,7 +1978,13 @@ class GLMBlock(GradientCheckpointingLayer):
 
 
 class GLMTransformer(nn.Module):
-    """The stack of blocks (the original's `encoder`), with the final norm."""
+    """The stack of blocks (the original's `encoder`), with the final norm. forward(hidden_states, attention_mask,
+    rotary_pos_emb, kv_caches=None, use_cache=True, output_hidden_states=False) -> (hidden_states, presents,
+    all_hidden_states, all_self_attentions) and `_get_layer(i)` are the original's contract, and so is each layer's
+    call (three positional arguments, `kv_cache=` and `use_cache=` by keyword): a forward written to the original
+    (GPTQModel replaces it so) runs this model unchanged. `kv_caches` is the model's Cache object once per layer,
+    `presents` what the layers give back (that object again); the hidden states of output_hidden_states end with
+    the final norm's output, as in transformers' models; all_self_attentions come from the forward's LayerInputs."""
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
@@ -1824,23 +1997,32 @@ class GLMTransformer(nn.Module):
         self.layers = nn.ModuleList([GLMBlock(config, number + 1) for number in range(config.num_layers)])
         self.final_layernorm = make_norm(config) if config.post_layer_norm else None
 
-    def forward(self, hidden_states, layer_inputs: LayerInputs, past_key_values=None,
-                output_hidden_states=False, output_attentions=False):
+    def _get_layer(self, layer_number: int) -> GLMBlock:
+        return self.layers[layer_number]
+
+    def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_caches=None, use_cache=True,
+                output_hidden_states=False):
+        presents = () if use_cache else None
         all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
-        for layer in self.layers:
+        masks = {}  # the mask on each device that holds layers, copied once
+        for index in range(self.num_layers):
+            layer = self._get_layer(index)
             device = execution_device(layer)
             hidden_states = device_boundary(hidden_states, device)
+            if device not in masks:
+                masks[device] = device_boundary(attention_mask, device)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, weights = layer(hidden_states, layer_inputs.on(device), past_key_values)
-            if output_attentions:
-                all_attentions += (weights,)
+            hidden_states, kv_cache = layer(hidden_states, masks[device], rotary_pos_emb,
+                                            kv_cache=kv_caches[index] if kv_caches else None, use_cache=use_cache)
+            if use_cache:
+                presents += (kv_cache,)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(device_boundary(hidden_states, execution_device(self.final_layernorm)))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        return hidden_states, all_hidden_states, all_attentions
+        attentions = rotary_pos_emb.attentions(self.num_layers) if isinstance(rotary_pos_emb, LayerInputs) else None
+        return hidden_states, presents, all_hidden_states, attentions
 
 
 # ======================================================================================================================
@@ -2011,15 +2193,8 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         every cached slot visible, and a 2-D `padding_mask` (1 = token) applied to the keys (and, for a prompt,
         its padded queries see everything, as in the original)."""
         batch_size, seq_length = input_ids.shape[:2]  # GLM-4V's original passes the embeddings here
-        mask = torch.ones(batch_size, seq_length, seq_length, device=input_ids.device).tril_()
-        past_length = cached_length_of(past_key_values)
-        if past_length:
-            mask = torch.cat((mask.new_ones(batch_size, seq_length, past_length), mask), dim=-1)
-        if padding_mask is not None:
-            mask = mask * padding_mask.unsqueeze(1)
-            if not past_length:
-                mask -= padding_mask.unsqueeze(-1) - 1
-        return (mask < 0.5).unsqueeze(1)
+        return original_attention_mask(padding_mask, batch_size, seq_length, cached_length_of(past_key_values),
+                                       input_ids.device)
 
     def get_position_ids(self, input_ids, device):
         """Positions 0 .. seq - 1 for every row (the original's; this model's forward counts left padding out)."""
@@ -2151,11 +2326,17 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             self, input_ids, inputs_embeds, images, position_ids, attention_mask, cache, past_length)
         prefix = enter_prefix(self, cache, past_length, inputs_embeds.shape[0], inputs_embeds.shape[1])
         layer_inputs = self.layer_inputs(prefix, position_ids, attention_mask, inputs_embeds,
-                                         attention_implementation(config, output_attentions), kwargs)
-        hidden_states, all_hidden_states, all_attentions = self.encoder(
-            inputs_embeds, layer_inputs, prefix.cache,
-            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                                         attention_implementation(config, output_attentions), kwargs,
+                                         output_attentions)
+        # The original's call of its encoder, with this file's values where the original's would cost: the rotary
+        # tables, mask and kernel travel as `rotary_pos_emb` (LayerInputs), the Cache object as every layer's cache.
+        kv_caches = None if prefix.cache is None else (prefix.cache,) * self.encoder.num_layers
+        hidden_states, _, all_hidden_states, all_attentions = self.encoder(
+            inputs_embeds, layer_inputs.original_mask, rotary_pos_emb=layer_inputs, kv_caches=kv_caches,
+            use_cache=use_cache, output_hidden_states=output_hidden_states,
         )
+        if all_attentions is None:  # (an encoder forward written to the original returns none)
+            all_attentions = layer_inputs.attentions(self.encoder.num_layers)
         if config.fp32_residual_connection:
             hidden_states = hidden_states.to(self.compute_dtype)
         outputs = BaseModelOutputWithPast(
@@ -2185,8 +2366,8 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         return self.embedding(input_ids)
 
     def layer_inputs(self, prefix: "PrefixEntry", position_ids, attention_mask, inputs_embeds, implementation: str,
-                     kernel_kwargs: dict) -> LayerInputs:
-        """Rotary cos/sin, the attention mask and the kernel's arguments for every layer. Query positions are cache
+                     kernel_kwargs: dict, output_attentions: bool = False) -> LayerInputs:
+        """Rotary cos/sin, the attention masks and the kernel's arguments for every layer. Query positions are cache
         slots (after any P-tuning v2 prefix); position ids and a 2-D mask count tokens only."""
         batch_size, query_length = inputs_embeds.shape[:2]
         query_positions = (torch.arange(query_length, device=inputs_embeds.device) + prefix.past_slots)[None]
@@ -2194,19 +2375,30 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         sequence_ids = packed_sequence_ids(position_ids, attention_mask, past_tokens)  # given positions only
         if position_ids is None:
             position_ids = self.default_position_ids(attention_mask, query_positions - prefix.slots, query_length)
-        # Rotary table computed on the rotary module's device; each layer gets it on its own device (LayerInputs).
-        rotary_device = execution_device(self.rotary_pos_emb)
-        cos, sin = self.rotary_pos_emb(device_boundary(position_ids, rotary_device), self.compute_dtype)
+        cos, sin = self.rotary_tables(position_ids)
         cache_slots = max_cache_length(prefix.cache) if prefix.cache is not None else None
-        mask = build_attention_mask(
-            implementation, prefix.extend_mask(attention_mask), query_positions,
-            cache_slots or prefix.past_slots + query_length, batch_size=batch_size,
-            preallocated=cache_slots is not None, sequence_ids=sequence_ids, prefix=prefix.slots,
-        )
+        key_length = cache_slots or prefix.past_slots + query_length
+        masks = partial(attention_masks, attention_mask=prefix.extend_mask(attention_mask),
+                        query_positions=query_positions, key_length=key_length, batch_size=batch_size,
+                        preallocated=cache_slots is not None, sequence_ids=sequence_ids, prefix=prefix.slots)
+        mask, original_mask = masks(implementation)
         kernel_kwargs = {name: value for name, value in kernel_kwargs.items() if name != "cache_position"}
         if sequence_ids is not None and mask is None and implementation.startswith("flash"):
             kernel_kwargs.update(flash_varlen_kwargs(sequence_ids, position_ids, batch_size))
-        return LayerInputs(AttentionInputs(cos, sin, mask, query_positions[0], implementation, kernel_kwargs))
+        inputs = AttentionInputs(cos, sin, mask, query_positions[0], implementation, kernel_kwargs,
+                                 {} if output_attentions else None)
+        return LayerInputs(inputs, original_mask, lambda: masks("eager")[0], (batch_size, query_length, key_length))
+
+    def rotary_tables(self, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The layers' rotary cos/sin, computed on the rotary module's device (each layer gets them on its own,
+        LayerInputs). Where a hook or a replaced forward observes rotary_pos_emb, it is called as the original calls
+        it, `rotary_pos_emb(seq_length)`, and its table's rows are what the layers turn with."""
+        rotary = self.rotary_pos_emb
+        position_ids = device_boundary(position_ids, execution_device(rotary))
+        if computes_unobserved(rotary, RotaryEmbedding.forward):
+            return rotary.cos_sin(position_ids, self.compute_dtype)
+        rows = rotary(self.seq_length)[position_ids].float()
+        return rotary.head_tables(rows[..., 0], rows[..., 1], self.compute_dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -1,5 +1,6 @@
 """Loading: drop-in checkpoints, every real config, config validation, bad input, no import side effects."""
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -397,7 +398,9 @@ def test_sizes_that_cannot_fit_in_memory_are_refused_before_allocation(chatglm, 
 
 ROPE_FIELDS = [{"rope_scaling": {"type": "linear", "factor": 2.0}},
                {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}},
-               {"rope_scaling": {"type": "bogus"}}, {"rope_theta": 5e6}, {"rope_parameters": {"rope_type": "default"}}]
+               {"rope_scaling": {"type": "bogus"}}, {"rope_theta": 5e6},
+               {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+               {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "factor": 2.0}}]
 
 
 @pytest.mark.parametrize("fields", ROPE_FIELDS, ids=[next(iter(f)) + str(i) for i, f in enumerate(ROPE_FIELDS)])
@@ -411,6 +414,39 @@ def test_rotary_fields_of_other_families_are_refused_naming_rope_ratio(chatglm, 
 def test_rope_theta_equal_to_the_rope_ratio_base_is_accepted(chatglm):
     config = chatglm.ChatGLMConfig(rope_ratio=500, rope_theta=5e6)
     assert config.rope_ratio == 500
+
+
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}  # what GPTQModel writes on every config
+
+
+def test_default_rope_parameters_are_accepted_and_the_rotary_stays_rope_ratios(chatglm, tiny_model, tmp_path,
+                                                                               caplog):
+    """transformers 5's standard rotary field, as GPTQModel sets it after loading (issue 43): the model builds and
+    computes as without it, with rope_ratio's base; the theta that disagrees is reported once; the field is kept
+    through save and load; another rope_type keeps its clear error (ROPE_FIELDS)."""
+    reference = tiny_model("glm4")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with caplog.at_level(logging.WARNING):
+        config = reference.config.__class__(**{**reference.config.to_dict(), "rope_parameters": dict(DEFAULT_ROPE)})
+        for _ in range(2):
+            model = chatglm.modeling.ChatGLMForConditionalGeneration(config).eval()
+    warned = [r for r in caplog.records if "rope_theta=10000.0" in r.getMessage()]
+    assert len(warned) == 1 and "10000 * rope_ratio = 5000000" in warned[0].getMessage()
+    model.load_state_dict(reference.state_dict())
+    assert model.transformer.rotary_pos_emb.base == 5e6
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    reference.config.rope_parameters = dict(DEFAULT_ROPE, rope_theta=5e6)  # set after construction, as GPTQModel
+    reference.config.validate_chatglm()
+    config.save_pretrained(tmp_path)
+    assert chatglm.ChatGLMConfig.from_pretrained(tmp_path).rope_parameters == DEFAULT_ROPE
+
+
+def test_original_config_class_with_default_rope_parameters_builds_the_model(chatglm):
+    config = original_config("glm4")
+    config.rope_parameters = dict(DEFAULT_ROPE)
+    model = chatglm.modeling.ChatGLMForConditionalGeneration(config)
+    assert model.transformer.rotary_pos_emb.base == 10000.0 * config.rope_ratio
 
 
 # ---------------------------------------------------------------------------------------------------------------------

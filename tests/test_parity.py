@@ -223,7 +223,7 @@ def test_rms_norm_and_rotary_give_the_originals_numbers(tiny_model, dtype):
         rotary = model.transformer.rotary_pos_emb
         head_dim = model.config.kv_channels
         positions = torch.tensor([[0, 1, 5, 17, 300, 4095]])
-        cos, sin = rotary(positions, dtype)
+        cos, sin = rotary.cos_sin(positions, dtype)
         q = torch.randn(1, 3, positions.shape[1], head_dim, generator=generator).to(dtype)
         expected = original_rotary(q, positions[0], head_dim // 2, rotary.base)  # GLM-4: 10000 * rope_ratio
         assert torch.equal(modeling.apply_rotary(q, cos, sin), expected)

@@ -301,10 +301,13 @@ def test_glm4_build_single_message_as_text_encodes_to_its_ids(glm4_tokenizer):
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_a_forward_hook_on_core_attention_sees_every_layer(tiny_model, implementation):
+    """A hook sees the original's call: query, key and value [batch, heads, seq, dim] (key and value repeated to
+    every query head), the mask, and one [batch, seq, hidden] tensor back (tests/test_contracts.py checks values)."""
     model = tiny_model("glm4", attn_implementation=implementation)
     seen = []
     hooks = [layer.self_attention.core_attention.register_forward_hook(
-        lambda module, args, output: seen.append((module.layer_number, tuple(args[0].shape), output[0].shape)))
+        lambda module, args, output: seen.append((module.layer_number, [tuple(a.shape) for a in args],
+                                                  tuple(output.shape))))
         for layer in model.transformer.encoder.layers]
     try:
         with torch.no_grad():
@@ -313,7 +316,7 @@ def test_a_forward_hook_on_core_attention_sees_every_layer(tiny_model, implement
         for hook in hooks:
             hook.remove()
     heads, dim = model.config.num_attention_heads, model.config.kv_channels
-    assert seen == [(number, (1, heads, 4, dim), (1, 4, heads, dim))
+    assert seen == [(number, [(1, heads, 4, dim)] * 3 + [(1, 1, 4, 4)], (1, 4, heads * dim))
                     for number in range(1, model.config.num_layers + 1)]
 
 
@@ -325,7 +328,7 @@ def test_a_patched_core_attention_forward_changes_the_output(tiny_model):
         before = model(ids).logits
         core = model.transformer.encoder.layers[1].self_attention.core_attention
         original_forward = core.forward
-        core.forward = lambda *args, **kwargs: (torch.zeros_like(original_forward(*args, **kwargs)[0]), None)
+        core.forward = lambda *args, **kwargs: torch.zeros_like(original_forward(*args, **kwargs))
         try:
             patched = model(ids).logits
         finally:
@@ -434,7 +437,7 @@ def test_forward_impl_is_the_table_the_model_rotates_with(surface_objects, famil
     included), for positions 0 .. seq_len - 1."""
     rotary = surface_objects[family][1]["model"].transformer.rotary_pos_emb
     table = rotary.forward_impl(6, rotary.dim, torch.float32, torch.device("cpu"))
-    cos, sin = rotary(torch.arange(6)[None], torch.float32)
+    cos, sin = rotary.cos_sin(torch.arange(6)[None], torch.float32)
     assert table.shape == (6, rotary.dim // 2, 2)
     # forward()'s tables span the whole head: each angle repeats for its pair, sin signed (-, +) per pair
     torch.testing.assert_close(table[..., 0], cos[0, 0, :, :rotary.dim:2])
