@@ -73,17 +73,16 @@ def prompt_batch(folder: Path):
 
 
 def greedy(model, batch) -> list:
-    """NEW_TOKENS greedy tokens per row, no stop token (every run is asked for exactly as many). The settings go in
-    an explicit generation config, as transformers 5 wants them (see gptq_generate_note)."""
-    import copy
-
+    """NEW_TOKENS greedy tokens per row, no stop token (every run is asked for exactly as many). The model's own
+    generation config goes in explicitly, as transformers 5 wants it (see gptq_generate_note); the settings go as
+    arguments, since generate() replaces a passed config's values that equal the library defaults (do_sample=False)
+    with the checkpoint's (glm-4-9b-chat samples)."""
     import torch
 
-    config = copy.deepcopy(model.generation_config)
-    config.update(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, eos_token_id=None,
-                  pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    settings = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, eos_token_id=None,
+                    pad_token_id=0, temperature=None, top_p=None, top_k=None)
     with torch.no_grad():
-        out = model.generate(**batch, generation_config=config)
+        out = model.generate(**batch, generation_config=model.generation_config, **settings)
     return out[:, batch["input_ids"].shape[1]:].tolist()
 
 
