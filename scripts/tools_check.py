@@ -91,15 +91,19 @@ def real_logits(logits, batch):
     return logits.float()[batch["attention_mask"].bool()]
 
 
-def pytorch_reference(folder: Path, batch) -> tuple:
-    """(greedy tokens, prefill logits of the real positions) of the folder's code through transformers, fp32."""
+def float_model(folder: Path):
+    """The folder's code through transformers, fp32."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
+
+
+def logits_of(model, batch):
+    import torch
+
     with torch.no_grad():
-        logits = real_logits(model(**batch).logits, batch)
-    return greedy(model, batch), logits
+        return real_logits(model(**batch).logits, batch)
 
 
 def distance(logits, reference) -> dict:
@@ -134,7 +138,9 @@ def check_openvino(args) -> dict:
 
     folder, work = Path(args.model), Path(args.work)
     _, batch = prompt_batch(folder)
-    reference_tokens, reference_logits = pytorch_reference(folder, batch)
+    reference = float_model(folder)
+    reference_tokens, reference_logits = greedy(reference, batch), logits_of(reference, batch)
+    del reference
     versions = ", ".join(f"{name} {metadata.version(name)}" for name in ("optimum-intel", "openvino", "transformers"))
     cli = Path(sys.executable).with_name("optimum-cli")
     exports = {
@@ -203,37 +209,48 @@ def calibration(count: int = 16, length: int = 96) -> list:
     return [{"input_ids": row.tolist(), "attention_mask": [1] * length} for row in ids]
 
 
-def round_to_nearest_logits(folder: Path, batch):
-    """The prefill logits of the float model with every layer's linear weight rounded to GPTQ's grid (4-bit,
-    symmetric, group size 32) without GPTQ's error compensation: the baseline GPTQ should beat when the layers were
-    calibrated with the inputs the model really gives them."""
+def as_batch(rows: list) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
+    return {key: torch.tensor([row[key] for row in rows]) for key in ("input_ids", "attention_mask")}
+
+
+def round_to_nearest_(model) -> None:
+    """Every layer's linear weight rounded to GPTQ's grid (4-bit, symmetric, group size 32) without GPTQ's error
+    compensation, in place."""
+    import torch
+
     top = 2 ** GPTQ_BITS - 1
+    zero = (top + 1) // 2
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in name:
                 groups = module.weight.reshape(-1, GPTQ_GROUP_SIZE)
                 scale = (2 * groups.abs().amax(dim=1, keepdim=True) / top).clamp(min=1e-8)
-                zero = (top + 1) // 2
                 codes = (groups / scale + zero).round().clamp(0, top)
                 module.weight.copy_(((codes - zero) * scale).reshape(module.weight.shape))
-        return real_logits(model(**batch).logits, batch)
 
 
 def check_gptq(args) -> dict:
+    """Quantize, save, reload, generate; logits on the prompts and on calibration rows, against the float model's
+    and against round-to-nearest on the same grid. GPTQ fits each layer's rounding to the inputs it saw in
+    calibration: on those rows it beats round-to-nearest when the tool's layer replay gave every layer the inputs
+    the model really gives it, not otherwise."""
     import importlib.metadata as metadata
 
     import gptqmodel
-    import torch
 
     folder, out = Path(args.model), Path(args.work) / "gptq"
     shutil.rmtree(out, ignore_errors=True)
-    _, batch = prompt_batch(folder)
-    reference_tokens, reference_logits = pytorch_reference(folder, batch)
-    baseline = distance(round_to_nearest_logits(folder, batch), reference_logits)
+    _, prompts = prompt_batch(folder)
+    rows = calibration()
+    batches = {"prompts": prompts, "calibration": as_batch(rows[:2])}
+    model = float_model(folder)
+    reference_tokens = greedy(model, prompts)
+    reference = {name: logits_of(model, batch) for name, batch in batches.items()}
+    round_to_nearest_(model)
+    rounded = {name: distance(logits_of(model, batch), reference[name]) for name, batch in batches.items()}
+    del model
     # GPTQModel sizes its CPU thread pool from the core count; on 2 cores its default pool cannot run the
     # quantization (the tool's own limit, not the model's).
     gptqmodel._default_cpu_workers = lambda: 2
@@ -241,13 +258,13 @@ def check_gptq(args) -> dict:
 
     stages = {}
     result = {"versions": ", ".join(f"{name} {metadata.version(name)}" for name in ("gptqmodel", "transformers")),
-              "stages": stages, "out": str(out), "round_to_nearest": baseline}
+              "stages": stages, "out": str(out), "round_to_nearest": rounded}
     quantize_config = QuantizeConfig(bits=GPTQ_BITS, group_size=GPTQ_GROUP_SIZE)
     model = staged(stages, "load", lambda: GPTQModel.load(str(folder), quantize_config, trust_remote_code=True,
                                                           device="cpu"))
     if model is None:
         return result
-    for name, step in (("quantize", lambda: model.quantize(calibration(), batch_size=1)),
+    for name, step in (("quantize", lambda: model.quantize(rows, batch_size=1)),
                        ("save", lambda: model.save(str(out)))):
         staged(stages, name, step)
         if stages:
@@ -256,12 +273,13 @@ def check_gptq(args) -> dict:
     quantized = staged(stages, "reload", lambda: GPTQModel.load(str(out), trust_remote_code=True, device="cpu"))
     if quantized is None:
         return result
-    with torch.no_grad():
-        logits = staged(stages, "forward", lambda: real_logits(quantized.model(**batch).logits, batch))
-    tokens = staged(stages, "generate", lambda: greedy(quantized.model, batch))
+    logits = staged(stages, "forward", lambda: {name: logits_of(quantized.model, batch)
+                                                for name, batch in batches.items()})
+    tokens = staged(stages, "generate", lambda: greedy(quantized.model, prompts))
     if not stages:
-        result.update(distance(logits, reference_logits), equal_tokens=equal_tokens(tokens, reference_tokens),
-                      generate_note=gptq_generate_note(quantized, batch))
+        result.update(gptq={name: distance(logits[name], reference[name]) for name in batches},
+                      equal_tokens=equal_tokens(tokens, reference_tokens),
+                      generate_note=gptq_generate_note(quantized, prompts))
     return result
 
 
@@ -305,15 +323,16 @@ def compare_quantized(ours: Path, original: Path) -> str:
 def gptq_row(result: dict) -> tuple:
     if result.get("stages"):
         return "FAILED", failure(result["stages"]), False
-    rounded = result["round_to_nearest"]
-    notes = (f"reloaded 4-bit g{GPTQ_GROUP_SIZE} logits vs float: max abs {result['max_abs']:.3f} (relative "
-             f"{result['relative']:.3f}), mean abs {result['mean_abs']:.4f}, round-to-nearest on the same grid "
-             f"{rounded['mean_abs']:.4f}; greedy {result['equal_tokens']} tokens equal to the float model's")
-    # GPTQ compensates each layer's rounding for the inputs it was calibrated with: when a replay fed the layers
-    # wrong inputs, it is no better than plain rounding.
-    better = result["mean_abs"] < rounded["mean_abs"]
-    notes += "" if better else " (NOT better than round-to-nearest: were the layers calibrated with their inputs?)"
-    return ("works" if better else "WORSE"), "; ".join(filter(None, (notes, result["generate_note"]))), better
+    gptq, rounded = result["gptq"], result["round_to_nearest"]
+    notes = (f"reloaded 4-bit g{GPTQ_GROUP_SIZE} logits vs float, prompts: max abs {gptq['prompts']['max_abs']:.3f} "
+             f"(relative {gptq['prompts']['relative']:.3f}), mean abs {gptq['prompts']['mean_abs']:.4f} "
+             f"(round-to-nearest {rounded['prompts']['mean_abs']:.4f}); calibration rows: mean abs "
+             f"{gptq['calibration']['mean_abs']:.4f} (round-to-nearest {rounded['calibration']['mean_abs']:.4f}); "
+             f"greedy {result['equal_tokens']} tokens equal to the float model's")
+    fitted = gptq["calibration"]["mean_abs"] < rounded["calibration"]["mean_abs"]
+    if not fitted:
+        notes += " (NOT closer than round-to-nearest on its own calibration rows: did the layers see their inputs?)"
+    return ("works" if fitted else "WORSE"), "; ".join(filter(None, (notes, result["generate_note"]))), fitted
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -343,7 +362,7 @@ def run_tool(tool: str, python: str, folder: Path, base: Path, env: dict) -> dic
     """One tool's process; what it wrote, or its error."""
     out, work = base / f"{tool}-{folder.name}.json", base / f"{tool}-{folder.name}"
     work.mkdir(exist_ok=True)
-    error = run_step([python, __file__, tool, "--model", folder, "--work", work, "--out", out],
+    error = run_step([python, Path(__file__).resolve(), tool, "--model", folder, "--work", work, "--out", out],
                      base / f"{tool}-{folder.name}.log", env)
     return json.loads(out.read_text()) if out.exists() else {"process": error or "no result"}
 
@@ -354,38 +373,41 @@ def orchestrate(args) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                HF_MODULES_CACHE=str(work / "modules"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     os.environ.update(env)
-    originals = dict(item.split("=", 1) for item in args.original_code)
+    code = Path(args.code).resolve()
+    originals = {family: Path(folder).resolve() for family, folder in
+                 (item.split("=", 1) for item in args.original_code)}
+    os.chdir(work)  # the tools write logs into the working directory
     rows = []
     for family in args.families:
         base = work / family
         shutil.rmtree(base, ignore_errors=True)  # each run from scratch: nothing of an earlier run is compared
         base.mkdir()
         folders = {"ours": base / "ours"}
-        print(f"== {family}: checkpoint with the files of {args.code} in {folders['ours']}", flush=True)
-        build_checkpoint(family, folders["ours"], seed=FAMILIES.index(family), code=Path(args.code),
+        print(f"== {family}: checkpoint with the files of {code} in {folders['ours']}", flush=True)
+        build_checkpoint(family, folders["ours"], seed=FAMILIES.index(family), code=code,
                          weights=trained_scale_weights, sources=sources(family))
         if family in originals:
             folders["original"] = base / "original"
-            original_twin(folders["ours"], folders["original"], Path(originals[family]))
+            original_twin(folders["ours"], folders["original"], originals[family])
         gptq_out = {}
-        for code, folder in folders.items():
-            counted = code == "ours"
+        for files, folder in folders.items():
+            counted = files == "ours"
             if "openvino" in args.tools:
                 result = run_tool("openvino", sys.executable, folder, base, env)
                 if "process" in result:
-                    rows.append(("OpenVINO", family, code, "FAILED", failure(result["process"]), not counted))
+                    rows.append(("OpenVINO", family, files, "FAILED", failure(result["process"]), not counted))
                 for label, verdict, notes, ok in openvino_rows({k: v for k, v in result.items() if k != "process"}):
-                    rows.append((label, family, code, verdict, f"{notes} ({result.get('versions')})", ok or not counted))
+                    rows.append((label, family, files, verdict, f"{notes} ({result.get('versions')})", ok or not counted))
             if "gptq" in args.tools:
                 result = run_tool("gptq", args.gptq_python, folder, base, env)
                 if "process" in result:
-                    rows.append(("GPTQModel", family, code, "FAILED", failure(result["process"]), not counted))
+                    rows.append(("GPTQModel", family, files, "FAILED", failure(result["process"]), not counted))
                     continue
                 verdict, notes, ok = gptq_row(result)
-                rows.append((f"GPTQModel {GPTQ_BITS}-bit", family, code, verdict, f"{notes} ({result['versions']})",
+                rows.append((f"GPTQModel {GPTQ_BITS}-bit", family, files, verdict, f"{notes} ({result['versions']})",
                              ok or not counted))
                 if ok:
-                    gptq_out[code] = Path(result["out"])
+                    gptq_out[files] = Path(result["out"])
         if len(gptq_out) == 2:
             rows.append(("GPTQModel, ours vs original", family, "both", "info",
                          compare_quantized(gptq_out["ours"], gptq_out["original"]), True))
