@@ -60,5 +60,4 @@ sys.exit(any(m.version(name) != version for name, version in want.items()))" 2>/
     "${OUR_DEPENDENCIES[@]}"
 fi
 
-export CHATGLM_SHARED_DIR="${CHATGLM_SHARED_DIR:-$(cd "$ROOT/.." && pwd)/shared}"
 exec nice "$OV_PY" "$ROOT/scripts/tools_check.py" run --gptq-python "$GPTQ_PY" "$@"
