@@ -63,40 +63,54 @@ def conversations(family: str) -> list:
 # ---------------------------------------------------------------------------------------------------------------------
 # Our side (the environment with transformers and llama-cpp-python)
 # ---------------------------------------------------------------------------------------------------------------------
-def build_checkpoint(family: str, folder: Path, seed: int = 0) -> None:
-    """The family's real config.json shrunk to SIZES, random weights, real tokenizer files, our code files."""
+def family_sources(family: str) -> tuple:
+    """(config.json as a dict, tokenizer folder, generation_config.json) of the family's real checkpoint."""
+    config_name, tokenizer_name = FAMILIES[family]
+    configs = SHARED / "configs" / config_name
+    return (json.loads((configs / "config.json").read_text()), SHARED / "tokenizers" / tokenizer_name,
+            configs / "generation_config.json")
+
+
+def engine_weights(name: str, shape, generator):
+    """As the tests' randomize_: weights large enough that greedy choices are clear."""
+    import torch
+
+    if "layernorm" in name:
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    if "word_embeddings" in name:
+        return torch.randn(shape, generator=generator)
+    return 0.15 * torch.randn(shape, generator=generator)
+
+
+def build_checkpoint(family: str, folder: Path, seed: int = 0, code: Path = REPO, weights=engine_weights,
+                     sources: tuple = None) -> None:
+    """The family's real config.json shrunk to SIZES, random weights (`weights(name, shape, generator)`), real
+    tokenizer files, the code files of `code`. `sources`: another (config, tokenizer folder, generation config) than
+    the family's (family_sources)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_name, tokenizer_name = FAMILIES[family]
-    config = json.loads((SHARED / "configs" / config_name / "config.json").read_text())
-    config.update(SIZES)
+    config, tokenizer, generation_config = sources or family_sources(family)
+    config = dict(config, **SIZES)
     if "num_hidden_layers" in config:
         config["num_hidden_layers"] = SIZES["num_layers"]
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for name in CODE_FILES:
-        shutil.copy(REPO / name, folder / name)
-    for path in (SHARED / "tokenizers" / tokenizer_name).iterdir():
+        shutil.copy(Path(code) / name, folder / name)
+    for path in tokenizer.iterdir():
         shutil.copy(path, folder / path.name)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True),
                                              trust_remote_code=True)
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # as the tests' randomize_: weights large enough that greedy choices are clear
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            if "layernorm" in name:
-                values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
-            elif "word_embeddings" in name:
-                values = torch.randn(param.shape, generator=generator)
-            else:
-                values = 0.15 * torch.randn(param.shape, generator=generator)
-            param.copy_(values.to(param.dtype))
+            param.copy_(weights(name, param.shape, generator).to(param.dtype))
     model.save_pretrained(folder)
     # save_pretrained rewrote config.json; a downloaded checkpoint has the original's (llama.cpp's converter, for
     # one, reads its `_name_or_path`).
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    generation_config = SHARED / "configs" / config_name / "generation_config.json"
-    if generation_config.exists():  # save_pretrained wrote one derived from the model config; the real one wins
+    if generation_config and generation_config.exists():  # save_pretrained wrote one from the model config
         shutil.copy(generation_config, folder / "generation_config.json")
 
 
@@ -305,12 +319,12 @@ def orchestrate(args) -> int:
     return 0
 
 
-def print_table(rows: list) -> None:
-    header = ("engine", "family", "greedy equal", "chat ids equal", "notes")
+def print_table(rows: list, header=("engine", "family", "greedy equal", "chat ids equal", "notes")) -> None:
+    """A markdown table of the rows' first len(header) cells."""
     print("\n| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        print("| " + " | ".join(cell.replace("|", "\\|") for cell in row[:5]) + " |")
+        print("| " + " | ".join(cell.replace("|", "\\|") for cell in row[:len(header)]) + " |")
     print(flush=True)
 
 
