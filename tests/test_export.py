@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import GOLDEN_CASES, REPO, TRANSFORMERS, Version, shared_path
+from conftest import (GOLDEN_CASES, REPO, TINY_SIZES, TRANSFORMERS, Version, random_model, shared_path,
+                      tiny_config_dict)
 from tokenizer_fixtures import load_jsonl, make_tokenizer_folder
 
 import export_to_native_glm as exporter
@@ -232,8 +233,6 @@ def test_every_converter_reads_the_originals_epsilon_and_context_length(name, ch
     llama.cpp's converter and Glm (transformers, vLLM) read declares the original's epsilon, context length, rope
     base, heads and key/value groups. The converter loads config.json through AutoConfig without remote code, as
     read here. (Before the fix the GGUF of a GLM-4 export declared epsilon 1e-5 and context length = hidden size.)"""
-    from conftest import TINY_SIZES, random_model
-
     original = json.loads(shared_path("configs", name, "config.json").read_text())
     shrunk = dict(original, **{k: v for k, v in TINY_SIZES.items() if k != "seq_length"}, torch_dtype="float32")
     if "num_hidden_layers" in shrunk:  # GLM-4's configs name the layer count twice
@@ -250,6 +249,14 @@ def test_every_converter_reads_the_originals_epsilon_and_context_length(name, ch
     assert llama_cpp_declares(hparams) == expected
     assert glm_declares(hparams) == expected
     assert "convert_hf_to_gguf.py" in output  # the route the exporter offers is this one
+
+
+def test_the_export_names_no_gguf_route_when_llama_cpp_would_take_another_head_size(chatglm, tmp_path):
+    """Heads of kv_channels 32 with hidden 64 / 4 heads: llama.cpp's converter writes no key length for this
+    architecture, so llama.cpp would take heads of 16; the exporter offers no GGUF route and says why."""
+    random_model(chatglm, tiny_config_dict("glm4", kv_channels=32), 0, "eager").save_pretrained(tmp_path / "source")
+    code, output = run_exporter(tmp_path / "source", tmp_path / "native", "--without-tokenizer")
+    assert code == 0 and "llama.cpp: not this checkpoint" in output and "kv_channels = 32" in output, output
 
 
 MEMORY_PROBE = """
