@@ -278,13 +278,14 @@ def gguf_declares(path: Path, gguf_py: Path) -> dict:
 def declared_differences(original: dict, declared: dict) -> list:
     """'name: engine's value, original's value' for each value the engine declares otherwise (floats as stored in
     float32 by a GGUF: relative 1e-6)."""
+    def shown(value):
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
     differences = []
     for name, value in declared.items():
         want = original[name]
-        same = value is not None and abs(float(value) - float(want)) <= 1e-6 * abs(float(want))
-        if not same:
-            differences.append(f"{name} {value:g} (original {want:g})" if value is not None
-                               else f"{name} not declared (original {want:g})")
+        if value is None or abs(float(value) - float(want)) > 1e-6 * abs(float(want)):
+            differences.append(f"{name} {'not declared' if value is None else shown(value)} (original {shown(want)})")
     return differences
 
 
