@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import GOLDEN_CASES, REPO, TRANSFORMERS, Version, shared_path
+from conftest import (GOLDEN_CASES, REPO, TINY_SIZES, TRANSFORMERS, Version, random_model, shared_path,
+                      tiny_config_dict)
 from tokenizer_fixtures import load_jsonl, make_tokenizer_folder
 
 import export_to_native_glm as exporter
@@ -190,6 +191,9 @@ def test_chatglm2_32k_exports_with_linear_rope_scaling_and_gives_the_golden_logi
     rope = written.get("rope_parameters") or dict(written.get("rope_scaling") or {}, rope_theta=written["rope_theta"])
     assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("linear", 16.0, 10000.0)
     assert "rope_ratio" not in written and not (tmp_path / "native" / "tokenizer.json").exists()
+    # The 32k context and the epsilon, under transformers' names and the original's (llama.cpp's converter's)
+    assert (written["max_position_embeddings"], written["seq_length"]) == (32768, 32768)
+    assert written["rms_norm_eps"] == written["layernorm_epsilon"] == 1e-5
     if not glm_reads_rope_scaling():  # 4.46, 4.47: Glm ignores rope_scaling (docs: the export needs 4.48)
         return
     native = load_native(tmp_path / "native")
@@ -198,6 +202,61 @@ def test_chatglm2_32k_exports_with_linear_rope_scaling_and_gives_the_golden_logi
             ids = golden.expected[f"seq_{i}_input_ids"][None]
             torch.testing.assert_close(native(input_ids=ids).logits[0], golden.expected[f"seq_{i}_logits"],
                                        rtol=1e-4, atol=1e-4)
+
+
+# The released configs whose values an export must declare to every converter (testdata/configs).
+RELEASED_CONFIGS = ("glm-4-9b-chat", "glm-4-9b-chat-1m", "glm-4-9b", "chatglm3-6b")
+
+
+def llama_cpp_declares(hparams: dict) -> dict:
+    """What llama.cpp's convert_hf_to_gguf.py writes into a GGUF from the config it converts with its ChatGLM class
+    (architectures ChatGLMModel and GlmForCausalLM alike; llama-cpp-python 0.3.36's vendored copy): each value from
+    the original's field name first, with the converter's fallback when the field is absent."""
+    hidden, heads = hparams["hidden_size"], hparams["num_attention_heads"]
+    return {"context length": hparams.get("seq_length", hidden), "epsilon": hparams.get("layernorm_epsilon", 1e-5),
+            "rope base": 10000 * hparams.get("rope_ratio", 1), "heads": heads,
+            "key/value groups": hparams.get("multi_query_group_num", hparams.get("num_key_value_heads", heads)),
+            "head size": hidden // heads}  # no key length for this architecture: llama.cpp divides
+
+
+def glm_declares(hparams: dict) -> dict:
+    """What transformers' GlmForCausalLM and vLLM's Glm read from the same config."""
+    rope = hparams.get("rope_parameters") or hparams
+    return {"context length": hparams["max_position_embeddings"], "epsilon": hparams["rms_norm_eps"],
+            "rope base": rope["rope_theta"], "heads": hparams["num_attention_heads"],
+            "key/value groups": hparams["num_key_value_heads"], "head size": hparams["head_dim"]}
+
+
+@pytest.mark.parametrize("name", RELEASED_CONFIGS)
+def test_every_converter_reads_the_originals_epsilon_and_context_length(name, chatglm, tmp_path):
+    """A released config (sizes shrunk, seq_length, epsilon and rope_ratio as released) exported: the config that
+    llama.cpp's converter and Glm (transformers, vLLM) read declares the original's epsilon, context length, rope
+    base, heads and key/value groups. The converter loads config.json through AutoConfig without remote code, as
+    read here. (Before the fix the GGUF of a GLM-4 export declared epsilon 1e-5 and context length = hidden size.)"""
+    original = json.loads(shared_path("configs", name, "config.json").read_text())
+    shrunk = dict(original, **{k: v for k, v in TINY_SIZES.items() if k != "seq_length"}, torch_dtype="float32")
+    if "num_hidden_layers" in shrunk:  # GLM-4's configs name the layer count twice
+        shrunk["num_hidden_layers"] = shrunk["num_layers"]
+    source = tmp_path / "source"
+    random_model(chatglm, shrunk, 0, "eager").save_pretrained(source)
+    (source / "config.json").write_text(json.dumps(shrunk))  # the field set as released, not as save_pretrained has it
+    code, output = run_exporter(source, tmp_path / "native", "--without-tokenizer")
+    assert code == 0, output
+    expected = {"context length": original["seq_length"], "epsilon": original["layernorm_epsilon"],
+                "rope base": 10000 * original.get("rope_ratio", 1), "heads": shrunk["num_attention_heads"],
+                "key/value groups": shrunk["multi_query_group_num"], "head size": shrunk["kv_channels"]}
+    hparams = transformers.AutoConfig.from_pretrained(str(tmp_path / "native")).to_dict()
+    assert llama_cpp_declares(hparams) == expected
+    assert glm_declares(hparams) == expected
+    assert "convert_hf_to_gguf.py" in output  # the route the exporter offers is this one
+
+
+def test_the_export_names_no_gguf_route_when_llama_cpp_would_take_another_head_size(chatglm, tmp_path):
+    """Heads of kv_channels 32 with hidden 64 / 4 heads: llama.cpp's converter writes no key length for this
+    architecture, so llama.cpp would take heads of 16; the exporter offers no GGUF route and says why."""
+    random_model(chatglm, tiny_config_dict("glm4", kv_channels=32), 0, "eager").save_pretrained(tmp_path / "source")
+    code, output = run_exporter(tmp_path / "source", tmp_path / "native", "--without-tokenizer")
+    assert code == 0 and "llama.cpp: not this checkpoint" in output and "kv_channels = 32" in output, output
 
 
 MEMORY_PROBE = """

@@ -12,7 +12,8 @@ cache folder (`models--THUDM--glm-4-9b-chat`, or one of its snapshots). OUTPUT i
 
 * config.json: GlmConfig, `architectures: ["GlmForCausalLM"]`, the rotary base 10000 * rope_ratio (half of each head
   turns; chatglm2-6b-32k, which divides the positions by rope_ratio instead: base 10000 and linear rope scaling with
-  factor rope_ratio, read by transformers >= 4.48), the checkpoint's dtype, eos and pad ids;
+  factor rope_ratio, read by transformers >= 4.48), the checkpoint's dtype, eos and pad ids; and the original's
+  layernorm_epsilon, seq_length and rope_ratio, which llama.cpp's converter reads instead of Glm's names;
 * model-0000N-of-0000M.safetensors + index: the weights in Glm's names (the fused query_key_value split into q/k/v;
   dense_h_to_4h is already gate|up), written shard by shard: memory holds one output shard, never the model;
 * tokenizer.json (the fast tokenizer of tools/convert_tokenizer_to_fast.py, ids equal to the slow tokenizer's),
@@ -295,6 +296,19 @@ def eos_ids(config: dict, family: str, tokenizer) -> list:
     return list(dict.fromkeys(ids))
 
 
+def llama_cpp_fields(sizes) -> dict:
+    """The original's names that llama.cpp's convert_hf_to_gguf.py reads from a Glm checkpoint, which it converts
+    with its ChatGLM class: the norm epsilon from layernorm_epsilon (without it 1e-5: GLM-4's is 1.5625e-07), the
+    context length from seq_length (without it the hidden size), the rotary base from rope_ratio (without it 10000).
+    transformers and vLLM read rms_norm_eps, max_position_embeddings and rope_theta; GlmConfig keeps the extra keys
+    as attributes. No rope_ratio where it divides the positions (chatglm2-6b-32k: linear rope scaling), which that
+    converter would read as a base."""
+    fields = {"layernorm_epsilon": sizes.layernorm_epsilon, "seq_length": sizes.seq_length}
+    if sizes.position_divisor == 1.0:
+        fields["rope_ratio"] = sizes.rope_ratio
+    return fields
+
+
 def write_config(folder: Path, sizes, dtype, eos: list, pad_id: int) -> None:
     from chatglm_tools.native_glm import native_glm_config
 
@@ -305,11 +319,7 @@ def write_config(folder: Path, sizes, dtype, eos: list, pad_id: int) -> None:
     path = folder / "config.json"
     content = json.loads(path.read_text())
     content["torch_dtype"] = str(dtype).removeprefix("torch.")
-    # llama.cpp's convert_hf_to_gguf.py reads the rotary base of a Glm checkpoint from rope_ratio alone (without it,
-    # 10000); transformers keeps the extra key as an attribute and uses rope_theta. Not where rope_ratio divides the
-    # positions (chatglm2-6b-32k: linear rope scaling above), which that converter would read as a base.
-    if sizes.position_divisor == 1.0:
-        content["rope_ratio"] = sizes.rope_ratio
+    content.update(llama_cpp_fields(sizes))
     if "dtype" in content:
         content["dtype"] = content["torch_dtype"]
     path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
@@ -424,11 +434,20 @@ def export(source: Path, output: Path, max_shard_bytes: int, with_tokenizer: boo
     print(f"load it with (transformers >= {'4.48' if interpolated else '4.46'}):\n"
           f"  AutoModelForCausalLM.from_pretrained({str(output)!r})"
           + (f"; AutoTokenizer.from_pretrained({str(output)!r})" if with_tokenizer else ""))
-    print(f"serve it: vllm serve {output}" + (
-        "   |   llama.cpp: not this checkpoint (convert_hf_to_gguf.py reads no rope scaling for Glm: the GGUF would "
-        "rotate undivided positions)" if interpolated else
-        f"   |   llama.cpp: python convert_hf_to_gguf.py {output} --outfile model.gguf"))
+    print(f"serve it: vllm serve {output}   |   llama.cpp: " + llama_cpp_route(sizes, output))
     return 0
+
+
+def llama_cpp_route(sizes, output: Path) -> str:
+    """How llama.cpp takes the export, or why it cannot."""
+    if sizes.position_divisor != 1.0:
+        return ("not this checkpoint (convert_hf_to_gguf.py reads no rope scaling for Glm: the GGUF would rotate "
+                "undivided positions)")
+    if sizes.kv_channels * sizes.num_attention_heads != sizes.hidden_size:
+        # Its converter writes no key length for this architecture; llama.cpp then takes hidden / heads.
+        return (f"not this checkpoint (a GGUF of it has heads of hidden_size / num_attention_heads = "
+                f"{sizes.hidden_size // sizes.num_attention_heads}, not kv_channels = {sizes.kv_channels})")
+    return f"python convert_hf_to_gguf.py {output} --outfile model.gguf"
 
 
 def main(argv=None) -> int:
