@@ -214,10 +214,74 @@ def test_without_an_int4_kernel_the_exact_path_runs_and_packed_is_refused(int4, 
         model.use_quantized_kernel("fast")
 
 
-def test_an_8_bit_model_runs_exact_and_refuses_packed(tmp_path, int4):
+def int8_kernel_or_skip(model):
+    if not companion(model).int8_kernel_works(torch.device("cpu")):
+        pytest.skip(f"torch {torch.__version__} has no int8 kernel for the CPU: the exact path runs (tested below)")
+
+
+def dequantized_reference(folder) -> dict:
+    """name -> the float weight the stored codes stand for (codes * scale per row, 8 bits), in fp32."""
+    state = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    return {name: tensor.float() * state[name + "_scale"].float()[:, None]
+            for name, tensor in state.items() if tensor.dtype == torch.int8}
+
+
+def decode_step_logits(model, ids):
+    """The logits of the last token fed alone after the others as a prompt (the prompt runs exact)."""
+    with torch.no_grad():
+        cache = model(ids[:, :-1], use_cache=True).past_key_values
+        return model(ids[:, -1:], past_key_values=cache, use_cache=True).logits.float()
+
+
+def test_an_8_bit_model_decodes_on_torchs_int8_kernel_within_bf16s_rounding(tmp_path, int4):
+    """quantization_bit=8: in bf16 each layer multiplies one row through `_weight_int8pack_mm` on the stored codes
+    (x @ codes.T * scale), within bf16's rounding of the dequantized weights' product; a decode step's logits within
+    2% of the largest of the exact path's; the codes are the kernel's input as stored (no second copy)."""
+    quantized_folder, _ = quantized_source(tmp_path, 8)
+    model = load(quantized_folder, torch.bfloat16)
+    int8_kernel_or_skip(model)
+    layers = quantized_layers(model)
+    assert all(layer.packed is not None for layer in layers)
+    generator = torch.Generator().manual_seed(0)
+    for name, weight in dequantized_reference(quantized_folder).items():
+        layer = model.get_submodule(name.rsplit(".", 1)[0])
+        x = torch.randn(1, layer.in_features, generator=generator).to(torch.bfloat16)
+        expected = x.float() @ weight.T
+        with torch.no_grad():
+            got = layer(x).float() - (0 if layer.bias is None else layer.bias.float())
+        torch.testing.assert_close(got, expected, atol=0.01 * expected.abs().max().item(), rtol=0)
+    exact_model = load(quantized_folder, torch.bfloat16)
+    exact_model.use_quantized_kernel("exact")
+    scales = sum(layer.out_features * 2 for layer in layers)  # the kernel's bf16 scales: all it adds
+    assert held_bytes(model) - held_bytes(exact_model) == scales
+    ids = inputs(int4.expected)[0]
+    packed = decode_step_logits(model, ids)
+    model.use_quantized_kernel("exact")
+    exact = decode_step_logits(model, ids)
+    torch.testing.assert_close(packed, exact, atol=0.02 * exact.abs().max().item(), rtol=0)
+    assert not torch.equal(packed, exact)  # the kernel did run
+
+
+def test_an_8_bit_model_in_fp32_takes_the_int8_kernel_as_an_opt_in(tmp_path, int4):
+    quantized_folder, float_folder = quantized_source(tmp_path, 8)
+    model, reference = load(quantized_folder), load(float_folder)
+    int8_kernel_or_skip(model)
+    assert all(layer.packed is None for layer in quantized_layers(model))  # fp32: exact by default
+    ids = inputs(int4.expected)[1]
+    assert model.use_quantized_kernel("packed") == len(quantized_layers(model))
+    exact = decode_step_logits(reference, ids)
+    torch.testing.assert_close(decode_step_logits(model, ids), exact, atol=0.02 * exact.abs().max().item(), rtol=0)
+    model.use_quantized_kernel("exact")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_without_an_int8_kernel_the_exact_path_runs_and_packed_is_refused(tmp_path, int4, monkeypatch):
     model = load(quantized_source(tmp_path, 8)[0], torch.bfloat16)
+    monkeypatch.setitem(companion(model)._INT8_WORKS, "cpu", False)  # as on a torch without the kernel
+    assert model.use_quantized_kernel("auto") == 0
     assert all(layer.packed is None for layer in quantized_layers(model))
-    with pytest.raises(ValueError, match="use_quantized_kernel\\('packed'\\): .*quantization_bit=8 runs 'exact'"):
+    with pytest.raises(ValueError, match="use_quantized_kernel\\('packed'\\): torch .* no int8 kernel.*'exact'"):
         model.use_quantized_kernel("packed")
 
 
@@ -543,6 +607,97 @@ def test_the_quantized_codes_cannot_be_trained(int4_model):
 def test_quantize_on_a_model_loaded_quantized_is_refused(int4_model):
     with pytest.raises(ValueError, match="already quantized.*quantization_bit=4"):
         int4_model.quantize(8)
+
+
+# ---- quantizing a float model: the blocks in the original's storage, the output layer (opt-in) ----
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_in_the_original_storage_writes_what_the_original_would(tmp_path, int4, bits):
+    """quantize(bits, storage="original") on the fp16 source: the codes and scales of the original's quantize(bits)
+    (quantize_rows above, from the golden README), the logits of the pre-quantized checkpoint holding them, and
+    save_pretrained writes that checkpoint (quantization_bit, the same keys), which loads back to the same logits."""
+    quantized_folder, _ = quantized_source(tmp_path, bits)
+    source = tmp_path / "source"
+    shutil.copytree(shared_path("golden", CASE, "source-fp16"), source)
+    copy_code_into(source)
+    model = load(source).quantize(bits, storage="original")
+    assert model.config.quantization_bit == bits and len(quantized_layers(model)) == len(stored_codes(quantized_folder))
+    expected = torch.load(quantized_folder / "pytorch_model.bin", weights_only=True)
+    state = model.state_dict()
+    for name, tensor in expected.items():
+        if tensor.dtype == torch.int8 or name.endswith("weight_scale"):
+            assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+    reference = load(quantized_folder)
+    ids = inputs(int4.expected)[2]
+    with torch.no_grad():
+        logits = model(ids).logits
+        torch.testing.assert_close(logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_bit"] == bits
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert sorted(saved) == sorted(expected)
+    with torch.no_grad():
+        assert torch.equal(load(tmp_path / "saved")(ids).logits, logits)
+
+
+def test_quantize_with_an_unknown_storage_is_refused(int4_model, tiny_model):
+    with pytest.raises(ValueError, match="storage='codes'.*'library'.*'original'"):
+        tiny_model("glm4").quantize(8, storage="codes")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_output_layer_gives_its_codes_product_and_saves_as_floats(tiny_model, tmp_path, bits):
+    """quantize_output_layer(bits): the logits are the hidden states times the original's per-row quantization of
+    the head (quantize_rows), within bf16's rounding of the activations (the packed kernel decodes); a prompt's
+    logits on the exact path within fp32's; the state dict keeps the original's key with the float values of the
+    codes, so a saved checkpoint loads as a float one."""
+    model = tiny_model("glm4")
+    head = model.transformer.output_layer.weight.detach().clone()
+    codes, scale = quantize_rows(head, bits)
+    dequantized = codes.float() * scale.float()[:, None]
+    assert model.quantize_output_layer(bits) is model
+    layer = model.transformer.output_layer
+    assert layer.weight.dtype == torch.int8 and layer.weight.numel() == head.numel() * bits // 8
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model.transformer(ids).last_hidden_state
+        prompt = model(ids).logits  # 40 rows: the exact path
+        decode = model(ids, logits_to_keep=1).logits  # 1 row: the packed kernel where torch has it
+    expected = hidden.float() @ dequantized.T
+    torch.testing.assert_close(prompt.float(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    torch.testing.assert_close(decode.float(), expected[:, -1:], atol=0.01 * expected.abs().max().item(), rtol=0)
+    state = model.state_dict()
+    assert "transformer.output_layer.weight_scale" not in state
+    assert torch.equal(state["transformer.output_layer.weight"], dequantized)
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True)
+    assert type(reloaded.transformer.output_layer) is torch.nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, prompt, atol=1e-5, rtol=1e-5)
+
+
+def test_quantize_output_layer_refuses_what_it_cannot_do(tiny_model):
+    model = tiny_model("glm4")
+    with pytest.raises(ValueError, match="bits=3.*8 or 4"):
+        model.quantize_output_layer(3)
+    model.quantize_output_layer(8)
+    with pytest.raises(ValueError, match="QuantizedHead already"):
+        model.quantize_output_layer(4)
+    tied = tiny_model("glm4", tie_word_embeddings=True)
+    tied.tie_weights()
+    with pytest.raises(ValueError, match="shares its weight with the input embedding.*untie"):
+        tied.quantize_output_layer(8)
+
+
+def test_a_pre_quantized_model_with_a_quantized_output_layer_follows_the_models_kernel(int4):
+    """On chatglm2-6b-int4's layout (fp16 output layer): the int4 head packs beside the blocks in bf16, and
+    use_quantized_kernel("exact") takes the whole model, head included, back to the exact path."""
+    model = load(int4.folder, torch.bfloat16).quantize_output_layer(4)
+    int4_kernel_or_skip(model)
+    head = model.transformer.output_layer
+    assert head.packed is not None and head in quantized_layers(model)
+    model.use_quantized_kernel("exact")
+    assert head.packed is None and head.kernel == "exact"
 
 
 @pytest.mark.parametrize("request_kwargs", [{"tp_plan": "auto"}, {"tp_size": 2}])
