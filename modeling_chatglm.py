@@ -3074,9 +3074,9 @@ def quantize_blocks(model: "ChatGLMModel", bits: int, storage: str = "library") 
             "in config.json: it was loaded from a pre-quantized checkpoint such as chatglm2-6b-int4, whose layers "
             "are quantized as stored). Call quantize() only on a model with float weights."
         )
+    if bits not in QUANTIZATION_WIDTHS:
+        raise ValueError(f"quantize(bits={bits!r}): the supported widths are 4 and 8 (0 leaves the model as it is).")
     if storage == "original":
-        if bits not in QUANTIZATION_WIDTHS:
-            raise ValueError(f"quantize(bits={bits!r}): the supported widths are 4 and 8 (0 leaves the model as it is).")
         import_companion("quantization_chatglm", model.config).quantize_as_stored(model, bits)
     else:
         quantize_linear_layers(model.encoder, bits)
@@ -3118,8 +3118,6 @@ QUANTIZATION_WIDTHS = (4, 8)
 def quantize_linear_layers(module: nn.Module, bits: int):
     """Weight-only `bits`-bit quantization of the nn.Linear layers in `module`: torchao first (int8 on CPU and
     CUDA; int4 where torchao has a kernel for the device, e.g. CUDA in bf16), then optimum-quanto."""
-    if bits not in QUANTIZATION_WIDTHS:
-        raise ValueError(f"quantize(bits={bits!r}): the supported widths are 4 and 8 (0 leaves the model as it is).")
     def plain_linears():
         return [m for m in module.modules() if type(m) is nn.Linear and type(m.weight) in (nn.Parameter, torch.Tensor)]
 

@@ -507,7 +507,8 @@ def agrees(packed, layer: QuantizedLinear) -> bool:
     random rows."""
     x = probe_values((2, layer.in_features), layer.weight.device)
     expected = layer.exact_forward(x, None)
-    return torch.allclose(packed.multiply(x, layer.weight).float(), expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+    got = packed.multiply(x, layer.weight).float()
+    return torch.allclose(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
 
 
 def pack_int4(layer: QuantizedLinear) -> Optional[Int4Packed]:
