@@ -1,8 +1,11 @@
 """Pre-quantized weights: the storage of chatglm2-6b-int4 / codegeex2-6b-int4 and of every checkpoint the original's
 `model.quantize(4 or 8)` + `save_pretrained` wrote (`quantization_bit: 4` or `8` in config.json).
 
-A companion file of modeling_chatglm.py, imported only for such a checkpoint. Not named quantization.py: the int4
-folders ship the original's own quantization.py (cpm_kernels), which this file does not replace.
+A companion file of modeling_chatglm.py, imported only for such a checkpoint and for the opt-ins that use torch's
+packed kernels on a float model: quantize(bits, storage="original"), quantize_output_layer(bits) and
+use_cpu_packed_weights() (oneDNN's blocked layout for 16-bit weights on a CPU; see the end of this file). Not named
+quantization.py: the int4 folders ship the original's own quantization.py (cpm_kernels), which this file does not
+replace.
 
 Storage, per quantized linear layer (each block's query_key_value, dense, dense_h_to_4h, dense_4h_to_h), as the
 original writes it:
@@ -665,3 +668,76 @@ def use_kernel(model: nn.Module, kernel: str, dtype: torch.dtype) -> int:
     """`QuantizedLinear.use_kernel` on each of `model`'s quantized layers (`dtype`: the model's compute dtype);
     returns how many run packed."""
     return sum(module.use_kernel(kernel, dtype) for module in model.modules() if isinstance(module, QuantizedLinear))
+
+
+# ---- 16-bit float weights in oneDNN's blocked layout, for a CPU's decode (use_cpu_packed_weights) ----
+
+
+class OneDnnLinear(nn.Linear):
+    """An nn.Linear (the class of each chosen layer swapped in place: same parameters, same state dict) that also holds
+    its bf16/fp16 weight reordered into oneDNN's blocked layout, made at the first call that can use it and again
+    after the weight changes (a move, a load, an optimizer step). Calls of a few rows (decode) on a CPU, without
+    autograd, multiply by it: torch's eager 16-bit matrix-vector product reads a row-major weight at a fraction of
+    the memory bandwidth that the blocked one reaches. The copy is not pickled (deepcopy, torch.save)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.takes_packed(x):
+            return F.linear(x, self.weight, self.bias)
+        weight = self.weight
+        packed = self.__dict__.get("onednn")
+        if packed is None or packed[1:] != (weight.data_ptr(), weight._version):
+            self.onednn = None  # the stale copy goes before the new one is made
+            with torch.no_grad():
+                self.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), weight.data_ptr(),
+                               weight._version)
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn[0], self.bias, "none", [], "")
+
+    def takes_packed(self, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype == self.weight.dtype and x.dtype in HALF_TYPES
+                and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("onednn", None)
+        return state
+
+
+_ONEDNN_WORKS = []  # [whether torch's oneDNN linear with a prepacked weight gives F.linear's product], found once
+
+
+def onednn_works() -> bool:
+    """Whether this torch has oneDNN's prepacked linear on this CPU and it computes F.linear's bf16 product (checked on
+    a probe: the operators are internal to torch, used by its compiler's CPU freezing)."""
+    if not _ONEDNN_WORKS:
+        try:
+            probe = torch.nn.utils.skip_init(nn.Linear, 256, 64, dtype=torch.bfloat16)
+            with torch.no_grad():
+                probe.weight.copy_(probe_values(probe.weight.shape, "cpu"))
+                probe.bias.copy_(probe_values(64, "cpu"))
+                x = probe_values((2, 256), "cpu").to(torch.bfloat16)
+                packed = torch.ops.mkldnn._reorder_linear_weight(probe.weight, 1)
+                got = torch.ops.mkldnn._linear_pointwise(x, packed, probe.bias, "none", [], "").float()
+                expected = probe(x).float()
+            _ONEDNN_WORKS.append(torch.allclose(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item()))
+        except (AttributeError, RuntimeError, NotImplementedError):  # no mkldnn build, no such operator
+            _ONEDNN_WORKS.append(False)
+    return _ONEDNN_WORKS[0]
+
+
+def use_cpu_packed_weights(model: nn.Module, enable: bool = True) -> int:
+    """ChatGLMPreTrainedModel.use_cpu_packed_weights: every plain nn.Linear of `model` (the blocks' layers and the
+    output layer; not quantized ones) made a OneDnnLinear, or back to nn.Linear (the copies dropped). Returns how
+    many layers are OneDnnLinear now."""
+    if enable and not onednn_works():
+        raise ValueError(f"use_cpu_packed_weights(): torch {torch.__version__} has no working oneDNN linear with "
+                         "prepacked weights on this CPU (torch.backends.mkldnn, torch.ops.mkldnn._linear_pointwise).")
+    count = 0
+    for module in model.modules():
+        if enable and type(module) is nn.Linear:
+            module.__class__ = OneDnnLinear
+        elif not enable and type(module) is OneDnnLinear:
+            module.__dict__.pop("onednn", None)
+            module.__class__ = nn.Linear
+        count += type(module) is OneDnnLinear
+    return count
