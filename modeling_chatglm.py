@@ -2163,9 +2163,9 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
                 shutil.copyfile(found, target)
 
     def use_quantized_kernel(self, kernel: str = "packed") -> int:
-        """A pre-quantized (int4) model's matrix kernel (quantization_chatglm.py): "packed", torch's int4 kernel on
-        bf16 activations for decode (the default in bf16/fp16 models, where torch has it for the device; an opt-in in
-        fp32, docs/quantized-checkpoints.md: its deviation), "exact" (the original's arithmetic), "auto" (what
+        """A pre-quantized (int4 or int8) model's matrix kernel (quantization_chatglm.py): "packed", torch's int4 or
+        int8 weight-only kernel on bf16 activations for decode (the default in bf16/fp16 models, where torch has it
+        for the device; an opt-in in fp32, docs/quantized-checkpoints.md: its deviation), "exact" (the original's arithmetic), "auto" (what
         from_pretrained chose). A move to another device keeps the choice (the layers pack again there). Returns how
         many layers run packed."""
         if weight_storage(self.config) == "float":
@@ -2175,12 +2175,18 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         packed = import_companion("quantization_chatglm", self.config).use_kernel(self, kernel, self.dtype)
         if kernel == "packed" and not packed:
             raise ValueError(
-                "use_quantized_kernel('packed'): " + (
-                    "the packed kernel is torch's int4 one; quantization_bit=8 runs 'exact'."
-                    if self.config.quantization_bit == 8 else
-                    f"torch {torch.__version__} has no int4 kernel for {self.device.type} that takes this model's "
-                    "int4 layers: use 'exact', or a newer torch."))
+                f"use_quantized_kernel('packed'): torch {torch.__version__} has no int{self.config.quantization_bit} "
+                f"kernel for {self.device.type} that takes this model's quantized layers: use 'exact', or a newer "
+                "torch.")
         return packed
+
+    def use_cpu_packed_weights(self, enable: bool = True) -> int:
+        """Opt-in for bf16/fp16 decode on a CPU: each float nn.Linear also holds its weight in oneDNN's blocked layout
+        (quantization_chatglm.OneDnnLinear), which calls of up to 32 rows without autograd multiply by, at about
+        twice the eager product's speed where the CPU has AVX-512 BF16 (docs/speed-and-memory.md: measured). Costs a second copy of
+        those weights' bytes; the parameters and the state dict stay as they are. False drops the copies. Returns
+        how many layers hold one."""
+        return import_companion("quantization_chatglm", self.config).use_cpu_packed_weights(self, enable)
 
     def tensor_parallel(self, mesh_or_size=None):
         """Shard this model in place over a 1-D DeviceMesh, or over `mesh_or_size` ranks of torch.distributed (all of
@@ -2284,9 +2290,9 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         key_values = require_prefix(self).key_values(batch_size, dtype)
         return tuple(device_boundary(torch.stack(pair), torch.device(device)) for pair in key_values)
 
-    def quantize(self, weight_bit_width: int):
+    def quantize(self, weight_bit_width: int, storage: str = "library"):
         """The original's base-model call: quantizes the blocks' linear layers (see ChatMixin.quantize)."""
-        return quantize_blocks(self, weight_bit_width)
+        return quantize_blocks(self, weight_bit_width, storage)
 
     def forward(
         self,
@@ -3232,17 +3238,34 @@ class ChatMixin:
         length = cache.get_seq_length()
         return length - cached_prefix(self.transformer, length)
 
-    def quantize(self, bits: int, empty_init=False, device=None, **kwargs):
+    def quantize(self, bits: int, empty_init=False, device=None, storage: str = "library", **kwargs):
         """The original's `model.quantize(bits)`: weight-only quantization of the blocks' linear layers (embedding
-        and output layer stay), now through a maintained library: torchao when installed, else optimum-quanto.
-        Returns the model. `empty_init` and `device` are accepted for old calling code and not needed."""
-        quantize_blocks(self.transformer, bits)
+        and output layer stay), through a maintained library (storage="library": torchao when installed, else
+        optimum-quanto), or storage="original": the original's own storage (int8 codes, a per-row scale;
+        quantization_chatglm.py, multiplied by torch's int8/int4 kernel as a pre-quantized checkpoint is, and saved
+        as one). Returns the model. `empty_init` and `device` are accepted for old calling code and not needed."""
+        quantize_blocks(self.transformer, bits, storage)
         self.quantized = self.quantized or bits != 0
         return self
 
+    def quantize_output_layer(self, bits: int = 8):
+        """Opt-in: the output layer (the logits, 151552 x 4096 for GLM-4) held as `bits`-bit codes (8 or 4) with a
+        per-row scale, multiplied by torch's int8/int4 kernel in decode: for checkpoints that keep it in 16 bits
+        (chatglm2-6b-int4 keeps it in fp16), where it is most of the bytes a decode step reads. It moves the logits
+        (docs/speed-and-memory.md: measured deviation); save_pretrained writes it as float weights again, the values of the codes.
+        See quantization_chatglm.quantize_output_layer. Returns the model."""
+        import_companion("quantization_chatglm", self.config).quantize_output_layer(self.transformer, bits)
+        return self
 
-def quantize_blocks(model: "ChatGLMModel", bits: int) -> "ChatGLMModel":
+
+QUANTIZE_STORAGES = ("library", "original")
+
+
+def quantize_blocks(model: "ChatGLMModel", bits: int, storage: str = "library") -> "ChatGLMModel":
     """quantize(bits) of the base model: the blocks' linear layers, weight-only; 0 leaves the model as it is."""
+    if storage not in QUANTIZE_STORAGES:
+        raise ValueError(f"quantize(storage={storage!r}): choose 'library' (torchao or optimum-quanto) or 'original' "
+                         "(the original's int8 codes and per-row scales, run by torch's int8/int4 kernels).")
     if bits == 0:
         return model
     if weight_storage(model.config) != "float":
@@ -3251,7 +3274,12 @@ def quantize_blocks(model: "ChatGLMModel", bits: int) -> "ChatGLMModel":
             "in config.json: it was loaded from a pre-quantized checkpoint such as chatglm2-6b-int4, whose layers "
             "are quantized as stored). Call quantize() only on a model with float weights."
         )
-    quantize_linear_layers(model.encoder, bits)
+    if bits not in QUANTIZATION_WIDTHS:
+        raise ValueError(f"quantize(bits={bits!r}): the supported widths are 4 and 8 (0 leaves the model as it is).")
+    if storage == "original":
+        import_companion("quantization_chatglm", model.config).quantize_as_stored(model, bits)
+    else:
+        quantize_linear_layers(model.encoder, bits)
     return model
 
 
@@ -3290,8 +3318,6 @@ QUANTIZATION_WIDTHS = (4, 8)
 def quantize_linear_layers(module: nn.Module, bits: int):
     """Weight-only `bits`-bit quantization of the nn.Linear layers in `module`: torchao first (int8 on CPU and
     CUDA; int4 where torchao has a kernel for the device, e.g. CUDA in bf16), then optimum-quanto."""
-    if bits not in QUANTIZATION_WIDTHS:
-        raise ValueError(f"quantize(bits={bits!r}): the supported widths are 4 and 8 (0 leaves the model as it is).")
     def plain_linears():
         return [m for m in module.modules() if type(m) is nn.Linear and type(m.weight) in (nn.Parameter, torch.Tensor)]
 

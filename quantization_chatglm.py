@@ -1,8 +1,11 @@
 """Pre-quantized weights: the storage of chatglm2-6b-int4 / codegeex2-6b-int4 and of every checkpoint the original's
 `model.quantize(4 or 8)` + `save_pretrained` wrote (`quantization_bit: 4` or `8` in config.json).
 
-A companion file of modeling_chatglm.py, imported only for such a checkpoint. Not named quantization.py: the int4
-folders ship the original's own quantization.py (cpm_kernels), which this file does not replace.
+A companion file of modeling_chatglm.py, imported only for such a checkpoint and for the opt-ins that use torch's
+packed kernels on a float model: quantize(bits, storage="original"), quantize_output_layer(bits) and
+use_cpu_packed_weights() (oneDNN's blocked layout for 16-bit weights on a CPU; see the end of this file). Not named
+quantization.py: the int4 folders ship the original's own quantization.py (cpm_kernels), which this file does not
+replace.
 
 Storage, per quantized linear layer (each block's query_key_value, dense, dense_h_to_4h, dense_4h_to_h), as the
 original writes it:
@@ -16,11 +19,12 @@ The weights stay quantized in memory. Two ways to multiply by them (`QuantizedLi
           time and multiplied, the per-row scale applied to the product in fp32 (the sum regrouped: within 1e-6
           relative of the original's CPU path, which scales the weight first), to the weight in fp16/bf16 (whose
           range the unscaled sums could leave).
-  packed  int4 only: torch's weight-only int4 matrix product (tinygemm on CUDA, its CPU twin) on the codes packed
-          for it at load, bf16 activations. For a few rows (decode), where the exact path spends its time turning
-          codes into floats; more rows (prefill) take the exact path. The default for a bf16/fp16 model where the
-          running torch has the kernel for the device; an opt-in for fp32 (ChatGLMPreTrainedModel.
-          use_quantized_kernel), with bf16's rounding of the activations (docs/quantized-checkpoints.md: measured
+  packed  torch's weight-only matrix products, bf16 activations: 4 bits, the int4 one (tinygemm on CUDA, its CPU
+          twin) on the codes packed for it at load; 8 bits, `_weight_int8pack_mm` (x @ codes.T * scale, the
+          original's per-row scale) on the codes as they are stored, no copy. For a few rows (decode), where the
+          exact path spends its time turning codes into floats; more rows (prefill) take the exact path. The
+          default for a bf16/fp16 model where the running torch has the kernel for the device; an opt-in for fp32
+          (ChatGLMPreTrainedModel.use_quantized_kernel), with bf16's rounding of the activations (docs/quantized-checkpoints.md: measured
           deviation).
 Where the kernel's layout can be read back exactly (learned once per device type by packing a probe, then checked on
 each layer), the packed bytes replace the codes in `weight`'s storage: the model holds one copy, about a quarter of
@@ -49,6 +53,9 @@ EXACT_BLOCK = 2 ** 19
 # on a GPU the block path's passes over the unpacked codes cost more than the product. A CPU runs the block path.
 FUSED_DEVICES = ("cuda",)
 HALF_TYPES = (torch.bfloat16, torch.float16)  # where "auto" packs
+# The activations of torch's int8 kernel: on a CPU its bf16 path is 5x faster than its fp32 one and 10x than its fp16
+# one (the benchmark's 1.4B model, one thread), and bf16 is what the int4 kernel takes.
+INT8_ACTIVATIONS = torch.bfloat16
 
 
 class QuantizedLinear(nn.Linear):
@@ -77,13 +84,18 @@ class QuantizedLinear(nn.Linear):
     @classmethod
     def from_float(cls, linear: nn.Linear, bits: int) -> "QuantizedLinear":
         """`linear` quantized as the original's `quantize(bits)` stores it: per row, in fp16,
-        q = round(w / (max|w| / (2^(bits-1) - 1))); for 4 bits two codes a byte, the even column high."""
+        q = round(w / (max|w| / (2^(bits-1) - 1))); for 4 bits two codes a byte, the even column high. Converted a
+        block of rows at a time: a 151552-row output layer never has a second float copy."""
         levels = 2 ** (bits - 1) - 1
-        weight = linear.weight.detach().half()
-        scale = weight.abs().amax(dim=-1) / levels
-        codes = torch.round(weight / scale[:, None]).to(torch.int8)
-        if bits == 4:
-            codes = (codes[:, 0::2] << 4) | (codes[:, 1::2] & 15)
+        rows = max(1, EXACT_BLOCK // linear.in_features)
+        codes, scale = [], []
+        for start in range(0, linear.out_features, rows):
+            weight = linear.weight.detach()[start:start + rows].half()
+            scale.append(weight.abs().amax(dim=-1) / levels)
+            codes.append(torch.round(weight / scale[-1][:, None]).to(torch.int8))
+            if bits == 4:
+                codes[-1] = (codes[-1][:, 0::2] << 4) | (codes[-1][:, 1::2] & 15)
+        codes, scale = torch.cat(codes), torch.cat(scale)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, bits=bits,
                     device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
@@ -148,8 +160,8 @@ class QuantizedLinear(nn.Linear):
         self.kernel = kernel
         half = (dtype or self.weight_scale.dtype) in HALF_TYPES
         wanted = kernel == "packed" or (kernel == "auto" and half)
-        if wanted and self.bits == 4 and self.weight.device.type != "meta":
-            self.packed = pack_int4(self)
+        if wanted and self.weight.device.type != "meta":
+            self.packed = pack_int4(self) if self.bits == 4 else pack_int8(self)
             if self.packed is not None and self.packed.layout is not None:  # the packed bytes become the storage
                 self.weight.data = self.packed.weight.view(-1).view(torch.int8).view(self.weight.shape)
         return self.packed is not None
@@ -165,14 +177,14 @@ class QuantizedLinear(nn.Linear):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if not self.runs_packed(x):
             return self.exact_forward(x, bias)
-        out = self.packed.multiply(x).to(x.dtype)
+        out = self.packed.multiply(x, self.weight).to(x.dtype)
         return out if bias is None else out + bias
 
     def runs_packed(self, x: torch.Tensor) -> bool:
         packed = self.packed
-        return (packed is not None and packed.weight.device == x.device and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+        return (packed is not None and packed.device == x.device and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
                 and (self.kernel == "packed" or x.dtype != torch.float32)
-                and not (x.requires_grad and torch.is_grad_enabled()))  # torch's int4 kernels have no backward
+                and not (x.requires_grad and torch.is_grad_enabled()))  # torch's int4/int8 kernels have no backward
 
     def exact_forward(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """The original's arithmetic on the codes, without building the [out, in] float weight: each code column set
@@ -387,7 +399,12 @@ class Int4Packed(NamedTuple):
     layout: Optional[Int4Layout]
     leading: torch.Tensor
 
-    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def multiply(self, x: torch.Tensor, codes: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x @ w.T (`codes`: unused, the product reads the packed copy)."""
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = self.kernel.matmul(rows, self.weight, self.group_size, self.scales_and_zeros)
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -488,11 +505,13 @@ def probe_values(shape, device) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def agrees(packed: Int4Packed, layer: QuantizedLinear) -> bool:
-    """Whether the packed kernel gives the exact path's product (within bf16's rounding) on two random rows."""
+def agrees(packed, layer: QuantizedLinear) -> bool:
+    """Whether a packed kernel (Int4Packed, Int8Packed) gives the exact path's product (within bf16's rounding) on two
+    random rows."""
     x = probe_values((2, layer.in_features), layer.weight.device)
     expected = layer.exact_forward(x, None)
-    return torch.allclose(packed.multiply(x).float(), expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+    got = packed.multiply(x, layer.weight).float()
+    return torch.allclose(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
 
 
 def pack_int4(layer: QuantizedLinear) -> Optional[Int4Packed]:
@@ -539,7 +558,186 @@ def pack_with(kernel: Int4Kernel, layer: QuantizedLinear) -> Optional[Int4Packed
     return Int4Packed(kernel, weight, group_size, scales_and_zeros.contiguous(), None, leading_bytes(weight))
 
 
+# ---- torch's weight-only int8 kernel ----
+
+
+class Int8Packed(NamedTuple):
+    """What torch's int8 kernel needs beside a layer's codes, which it takes as they are stored (int8 [out, in]):
+    the per-row scale in the kernel's activation dtype. Nothing replaces the codes (`layout` None)."""
+
+    scale: torch.Tensor
+    layout = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale.device
+
+    def multiply(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """x @ (codes * scale).T, accumulated by the kernel from bf16 activations."""
+        rows = x.reshape(-1, x.shape[-1]).to(INT8_ACTIVATIONS)
+        out = torch.ops.aten._weight_int8pack_mm(rows, codes, self.scale)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_INT8_WORKS = {}  # device type -> whether torch's int8 kernel gives the exact path's product there
+
+
+def pack_int8(layer: QuantizedLinear) -> Optional[Int8Packed]:
+    """The int8 kernel's scale for `layer`, or None where the running torch has no working kernel for its device
+    (found once per device type by trying it on a probe layer against the exact path: the operator arrived for CPUs
+    in torch 2.3, other devices got it later or not at all)."""
+    device = layer.weight.device
+    if device.type not in _INT8_WORKS:
+        _INT8_WORKS[device.type] = int8_kernel_works(device)
+    if not _INT8_WORKS[device.type]:
+        return None
+    return Int8Packed(layer.weight_scale.detach().to(INT8_ACTIVATIONS))
+
+
+def int8_kernel_works(device: torch.device) -> bool:
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        return False
+    probe = torch.nn.utils.skip_init(nn.Linear, 256, 64, device=device)
+    with torch.no_grad():
+        probe.weight.copy_(probe_values(probe.weight.shape, device))
+    layer = QuantizedLinear.from_float(probe, 8)
+    try:
+        return agrees(Int8Packed(layer.weight_scale.detach().to(INT8_ACTIVATIONS)), layer)
+    except (RuntimeError, NotImplementedError):  # not built for this device or dtype
+        return False
+
+
+# ---- quantizing a float model: the blocks (quantize(bits, storage="original")), the output layer (opt-in) ----
+
+QUANTIZED_LAYERS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")  # what the original quantizes
+
+
+def quantize_as_stored(transformer: nn.Module, bits: int):
+    """The original's quantize(bits) on a float model (ChatGLMModel): each block's linear layers become
+    QuantizedLinear.from_float, one at a time (the float weight freed as it goes), on the kernel "auto" chooses;
+    config.quantization_bit is set as the original sets it, so that save_pretrained writes a checkpoint that loads
+    pre-quantized, here and in the original."""
+    encoder = transformer.encoder
+    for name, module in list(encoder.named_modules()):
+        parent, _, child = name.rpartition(".")
+        if child in QUANTIZED_LAYERS and type(module) is nn.Linear:
+            layer = QuantizedLinear.from_float(module, bits)
+            layer.use_kernel("auto", module.weight.dtype)
+            setattr(encoder.get_submodule(parent), child, layer)  # (Module.set_submodule arrived in torch 2.5)
+    transformer.config.quantization_bit = bits
+
+
+class QuantizedHead(QuantizedLinear):
+    """The output layer quantized on request (quantize_output_layer). Checkpoints keep it in floats, so its state
+    dict holds the float weight its codes stand for under the original's key (no weight_scale)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._register_state_dict_hook(float_storage)
+
+
+def float_storage(module, state_dict, prefix, local_metadata):
+    state_dict.pop(prefix + "weight_scale", None)
+    if prefix + "weight" in state_dict:
+        state_dict[prefix + "weight"] = module.dequantized_weight(module.weight_scale.dtype)
+    return state_dict
+
+
+def quantize_output_layer(transformer: nn.Module, bits: int) -> QuantizedHead:
+    """ChatGLMForConditionalGeneration.quantize_output_layer: `transformer.output_layer` replaced by its `bits`-bit
+    codes (the original's per-row arithmetic), on torch's packed kernel where it has one for the device (any compute
+    dtype: bf16 activations), else the exact path. Refused where the output layer is tied to the input embedding
+    (quantizing it would untie them) or is quantized already."""
+    head = transformer.output_layer
+    if bits not in QUANTIZED_WIDTHS:
+        raise ValueError(f"quantize_output_layer(bits={bits!r}): choose 8 or 4.")
+    if isinstance(head, QuantizedLinear) or type(head) is not nn.Linear:
+        raise ValueError(f"quantize_output_layer({bits}): the output layer is a {type(head).__name__} already; it "
+                         "quantizes a float nn.Linear output layer once.")
+    if head.weight is transformer.embedding.word_embeddings.weight:
+        raise ValueError(f"quantize_output_layer({bits}): this model's output layer shares its weight with the input "
+                         "embedding (tie_word_embeddings): quantizing it would untie them.")
+    layer = QuantizedHead.from_float(head, bits)
+    if not layer.use_kernel("packed"):
+        layer.use_kernel("auto", head.weight.dtype)
+    transformer.output_layer = layer
+    return layer
+
+
 def use_kernel(model: nn.Module, kernel: str, dtype: torch.dtype) -> int:
     """`QuantizedLinear.use_kernel` on each of `model`'s quantized layers (`dtype`: the model's compute dtype);
     returns how many run packed."""
     return sum(module.use_kernel(kernel, dtype) for module in model.modules() if isinstance(module, QuantizedLinear))
+
+
+# ---- 16-bit float weights in oneDNN's blocked layout, for a CPU's decode (use_cpu_packed_weights) ----
+
+
+class OneDnnLinear(nn.Linear):
+    """An nn.Linear (the class of each chosen layer swapped in place: same parameters, same state dict) that also holds
+    its bf16/fp16 weight reordered into oneDNN's blocked layout, made at the first call that can use it and again
+    after the weight changes (a move, a load, an optimizer step). Calls of a few rows (decode) on a CPU, without
+    autograd, multiply by it: torch's eager 16-bit matrix-vector product reads a row-major weight at a fraction of
+    the memory bandwidth that the blocked one reaches. The copy is not pickled (deepcopy, torch.save)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.takes_packed(x):
+            return F.linear(x, self.weight, self.bias)
+        weight = self.weight
+        packed = self.__dict__.get("onednn")
+        if packed is None or packed[1:] != (weight.data_ptr(), weight._version):
+            self.onednn = None  # the stale copy goes before the new one is made
+            with torch.no_grad():
+                self.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), weight.data_ptr(),
+                               weight._version)
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn[0], self.bias, "none", [], "")
+
+    def takes_packed(self, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype == self.weight.dtype and x.dtype in HALF_TYPES
+                and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("onednn", None)
+        return state
+
+
+_ONEDNN_WORKS = []  # [whether torch's oneDNN linear with a prepacked weight gives F.linear's product], found once
+
+
+def onednn_works() -> bool:
+    """Whether this torch has oneDNN's prepacked linear on this CPU and it computes F.linear's bf16 product (checked on
+    a probe: the operators are internal to torch, used by its compiler's CPU freezing)."""
+    if not _ONEDNN_WORKS:
+        try:
+            probe = torch.nn.utils.skip_init(nn.Linear, 256, 64, dtype=torch.bfloat16)
+            with torch.no_grad():
+                probe.weight.copy_(probe_values(probe.weight.shape, "cpu"))
+                probe.bias.copy_(probe_values(64, "cpu"))
+                x = probe_values((2, 256), "cpu").to(torch.bfloat16)
+                packed = torch.ops.mkldnn._reorder_linear_weight(probe.weight, 1)
+                got = torch.ops.mkldnn._linear_pointwise(x, packed, probe.bias, "none", [], "").float()
+                expected = probe(x).float()
+            _ONEDNN_WORKS.append(torch.allclose(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item()))
+        except (AttributeError, RuntimeError, NotImplementedError):  # no mkldnn build, no such operator
+            _ONEDNN_WORKS.append(False)
+    return _ONEDNN_WORKS[0]
+
+
+def use_cpu_packed_weights(model: nn.Module, enable: bool = True) -> int:
+    """ChatGLMPreTrainedModel.use_cpu_packed_weights: every plain nn.Linear of `model` (the blocks' layers and the
+    output layer; not quantized ones) made a OneDnnLinear, or back to nn.Linear (the copies dropped). Returns how
+    many layers are OneDnnLinear now."""
+    if enable and not onednn_works():
+        raise ValueError(f"use_cpu_packed_weights(): torch {torch.__version__} has no working oneDNN linear with "
+                         "prepacked weights on this CPU (torch.backends.mkldnn, torch.ops.mkldnn._linear_pointwise).")
+    count = 0
+    for module in model.modules():
+        if enable and type(module) is nn.Linear:
+            module.__class__ = OneDnnLinear
+        elif not enable and type(module) is OneDnnLinear:
+            module.__dict__.pop("onednn", None)
+            module.__class__ = nn.Linear
+        count += type(module) is OneDnnLinear
+    return count

@@ -214,10 +214,75 @@ def test_without_an_int4_kernel_the_exact_path_runs_and_packed_is_refused(int4, 
         model.use_quantized_kernel("fast")
 
 
-def test_an_8_bit_model_runs_exact_and_refuses_packed(tmp_path, int4):
+def int8_kernel_or_skip(model):
+    if not companion(model).int8_kernel_works(torch.device("cpu")):
+        pytest.skip(f"torch {torch.__version__} has no int8 kernel for the CPU: the exact path runs (tested below)")
+
+
+def dequantized_reference(folder) -> dict:
+    """name -> the float weight the stored codes stand for (codes * scale per row, 8 bits), in fp32."""
+    state = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    return {name: tensor.float() * state[name + "_scale"].float()[:, None]
+            for name, tensor in state.items() if tensor.dtype == torch.int8}
+
+
+def decode_step_logits(model, ids):
+    """The logits of the last token fed alone after the others as a prompt (the prompt runs exact)."""
+    with torch.no_grad():
+        cache = model(ids[:, :-1], use_cache=True).past_key_values
+        return model(ids[:, -1:], past_key_values=cache, use_cache=True).logits.float()
+
+
+def test_an_8_bit_model_decodes_on_torchs_int8_kernel_within_bf16s_rounding(tmp_path, int4):
+    """quantization_bit=8: in bf16 each layer multiplies one row through `_weight_int8pack_mm` on the stored codes
+    (x @ codes.T * scale), within bf16's rounding of the dequantized weights' product; a decode step's logits within
+    2% of the largest of the exact path's; the codes are the kernel's input as stored (no second copy)."""
+    quantized_folder, _ = quantized_source(tmp_path, 8)
+    model = load(quantized_folder, torch.bfloat16)
+    int8_kernel_or_skip(model)
+    layers = quantized_layers(model)
+    assert all(layer.packed is not None for layer in layers)
+    generator = torch.Generator().manual_seed(0)
+    for name, weight in dequantized_reference(quantized_folder).items():
+        layer = model.get_submodule(name.rsplit(".", 1)[0])
+        x = torch.randn(1, layer.in_features, generator=generator).to(torch.bfloat16)
+        expected = x.float() @ weight.T
+        with torch.no_grad():
+            got = layer(x).float() - (0 if layer.bias is None else layer.bias.float())
+        torch.testing.assert_close(got, expected, atol=0.01 * expected.abs().max().item(), rtol=0)
+    exact_model = load(quantized_folder, torch.bfloat16)
+    exact_model.use_quantized_kernel("exact")
+    # all the kernel adds: its bf16 scales (none where the load made the scales bf16 already: 4.x)
+    scales = sum(layer.out_features * 2 for layer in layers)
+    assert held_bytes(model) - held_bytes(exact_model) in (0, scales)
+    ids = inputs(int4.expected)[0]
+    packed = decode_step_logits(model, ids)
+    model.use_quantized_kernel("exact")
+    exact = decode_step_logits(model, ids)
+    torch.testing.assert_close(packed, exact, atol=0.02 * exact.abs().max().item(), rtol=0)
+    assert not torch.equal(packed, exact)  # the kernel did run
+
+
+def test_an_8_bit_model_in_fp32_takes_the_int8_kernel_as_an_opt_in(tmp_path, int4):
+    quantized_folder, float_folder = quantized_source(tmp_path, 8)
+    model, reference = load(quantized_folder), load(float_folder)
+    int8_kernel_or_skip(model)
+    assert all(layer.packed is None for layer in quantized_layers(model))  # fp32: exact by default
+    ids = inputs(int4.expected)[1]
+    assert model.use_quantized_kernel("packed") == len(quantized_layers(model))
+    exact = decode_step_logits(reference, ids)
+    torch.testing.assert_close(decode_step_logits(model, ids), exact, atol=0.02 * exact.abs().max().item(), rtol=0)
+    model.use_quantized_kernel("exact")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_without_an_int8_kernel_the_exact_path_runs_and_packed_is_refused(tmp_path, int4, monkeypatch):
     model = load(quantized_source(tmp_path, 8)[0], torch.bfloat16)
+    monkeypatch.setitem(companion(model)._INT8_WORKS, "cpu", False)  # as on a torch without the kernel
+    assert model.use_quantized_kernel("auto") == 0
     assert all(layer.packed is None for layer in quantized_layers(model))
-    with pytest.raises(ValueError, match="use_quantized_kernel\\('packed'\\): .*quantization_bit=8 runs 'exact'"):
+    with pytest.raises(ValueError, match="use_quantized_kernel\\('packed'\\): torch .* no int8 kernel.*'exact'"):
         model.use_quantized_kernel("packed")
 
 
@@ -543,6 +608,163 @@ def test_the_quantized_codes_cannot_be_trained(int4_model):
 def test_quantize_on_a_model_loaded_quantized_is_refused(int4_model):
     with pytest.raises(ValueError, match="already quantized.*quantization_bit=4"):
         int4_model.quantize(8)
+
+
+# ---- quantizing a float model: the blocks in the original's storage, the output layer (opt-in) ----
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_in_the_original_storage_writes_what_the_original_would(tmp_path, int4, bits):
+    """quantize(bits, storage="original") on the fp16 source: the codes and scales of the original's quantize(bits)
+    (quantize_rows above, from the golden README), the logits of the pre-quantized checkpoint holding them, and
+    save_pretrained writes that checkpoint (quantization_bit, the same keys), which loads back to the same logits."""
+    quantized_folder, _ = quantized_source(tmp_path, bits)
+    source = tmp_path / "source"
+    shutil.copytree(shared_path("golden", CASE, "source-fp16"), source)
+    copy_code_into(source)
+    model = load(source).quantize(bits, storage="original")
+    assert model.config.quantization_bit == bits and len(quantized_layers(model)) == len(stored_codes(quantized_folder))
+    expected = torch.load(quantized_folder / "pytorch_model.bin", weights_only=True)
+    state = model.state_dict()
+    for name, tensor in expected.items():
+        if tensor.dtype == torch.int8 or name.endswith("weight_scale"):
+            assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+    reference = load(quantized_folder)
+    ids = inputs(int4.expected)[2]
+    with torch.no_grad():
+        logits = model(ids).logits
+        torch.testing.assert_close(logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_bit"] == bits
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert sorted(saved) == sorted(expected)
+    with torch.no_grad():
+        assert torch.equal(load(tmp_path / "saved")(ids).logits, logits)
+
+
+def test_quantize_with_an_unknown_storage_is_refused(int4_model, tiny_model):
+    with pytest.raises(ValueError, match="storage='codes'.*'library'.*'original'"):
+        tiny_model("glm4").quantize(8, storage="codes")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_output_layer_gives_its_codes_product_and_saves_as_floats(tiny_model, tmp_path, bits):
+    """quantize_output_layer(bits): the logits are the hidden states times the original's per-row quantization of
+    the head (quantize_rows), within bf16's rounding of the activations (the packed kernel decodes); a prompt's
+    logits on the exact path within fp32's; the state dict keeps the original's key with the float values of the
+    codes, so a saved checkpoint loads as a float one."""
+    model = tiny_model("glm4")
+    head = model.transformer.output_layer.weight.detach().clone()
+    codes, scale = quantize_rows(head, bits)
+    dequantized = codes.float() * scale.float()[:, None]
+    assert model.quantize_output_layer(bits) is model
+    layer = model.transformer.output_layer
+    assert layer.weight.dtype == torch.int8 and layer.weight.numel() == head.numel() * bits // 8
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model.transformer(ids).last_hidden_state
+        prompt = model(ids).logits  # 40 rows: the exact path
+        decode = model(ids, logits_to_keep=1).logits  # 1 row: the packed kernel where torch has it
+    expected = hidden.float() @ dequantized.T
+    torch.testing.assert_close(prompt.float(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    torch.testing.assert_close(decode.float(), expected[:, -1:], atol=0.01 * expected.abs().max().item(), rtol=0)
+    state = model.state_dict()
+    assert "transformer.output_layer.weight_scale" not in state
+    assert torch.equal(state["transformer.output_layer.weight"], dequantized)
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True)
+    assert type(reloaded.transformer.output_layer) is torch.nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, prompt, atol=1e-5, rtol=1e-5)
+
+
+def test_quantize_output_layer_refuses_what_it_cannot_do(tiny_model):
+    model = tiny_model("glm4")
+    with pytest.raises(ValueError, match="bits=3.*8 or 4"):
+        model.quantize_output_layer(3)
+    model.quantize_output_layer(8)
+    with pytest.raises(ValueError, match="QuantizedHead already"):
+        model.quantize_output_layer(4)
+    tied = tiny_model("glm4", tie_word_embeddings=True)
+    tied.tie_weights()
+    with pytest.raises(ValueError, match="shares its weight with the input embedding.*untie"):
+        tied.quantize_output_layer(8)
+
+
+def test_a_pre_quantized_model_with_a_quantized_output_layer_follows_the_models_kernel(int4):
+    """On chatglm2-6b-int4's layout (fp16 output layer): the int4 head packs beside the blocks in bf16, and
+    use_quantized_kernel("exact") takes the whole model, head included, back to the exact path."""
+    model = load(int4.folder, torch.bfloat16).quantize_output_layer(4)
+    int4_kernel_or_skip(model)
+    head = model.transformer.output_layer
+    assert head.packed is not None and head in quantized_layers(model)
+    model.use_quantized_kernel("exact")
+    assert head.packed is None and head.kernel == "exact"
+
+
+# ---- 16-bit weights in oneDNN's blocked layout for a CPU's decode (use_cpu_packed_weights, opt-in) ----
+
+def onednn_or_skip(model):
+    if not companion_of(model).onednn_works():
+        pytest.skip(f"torch {torch.__version__} has no oneDNN prepacked linear on this CPU: the opt-in is refused")
+
+
+def companion_of(model):
+    import sys
+    model.use_cpu_packed_weights(False)  # imports the companion file
+    return sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".quantization_chatglm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_packed_weights_give_the_eager_decode_within_rounding_and_change_nothing_else(tiny_model, dtype):
+    """use_cpu_packed_weights(): a decode step's logits within the dtype's rounding of the plain model's (at one row
+    oneDNN's product on blocked weights equals the eager one here, but that is not promised), a prompt's bit for bit
+    (it takes F.linear); the state dict and the parameters are the same tensors; a deepcopy and a weight changed in
+    place are seen; False gives plain nn.Linear layers back."""
+    model, plain = tiny_model("glm4").to(dtype), tiny_model("glm4").to(dtype)
+    onednn_or_skip(model)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    before = dict(model.state_dict())
+    assert model.use_cpu_packed_weights() == len(linears) > 0
+    assert all(isinstance(m, torch.nn.Linear) for m in linears)
+    state = model.state_dict()
+    assert list(state) == list(before) and all(state[k] is before[k] or torch.equal(state[k], before[k]) for k in state)
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = decode_step_logits(plain, ids), decode_step_logits(model, ids)
+        assert all(m.__dict__.get("onednn") is not None for m in linears)  # the decode step did use them
+        torch.testing.assert_close(got, expected, atol=0.01 * expected.abs().max().item(), rtol=0)
+        assert torch.equal(model(ids).logits, plain(ids).logits)  # 40 rows: F.linear
+        copied = copy.deepcopy(model)
+        torch.testing.assert_close(decode_step_logits(copied, ids), got, atol=0, rtol=0)
+        for m in (model, plain):
+            m.transformer.encoder.layers[0].mlp.dense_4h_to_h.weight.mul_(2)
+        expected, got = decode_step_logits(plain, ids), decode_step_logits(model, ids)
+        torch.testing.assert_close(got, expected, atol=0.01 * expected.abs().max().item(), rtol=0)
+    assert model.use_cpu_packed_weights(False) == 0
+    assert all(type(m) is torch.nn.Linear and "onednn" not in m.__dict__ for m in linears)
+
+
+def test_cpu_packed_weights_leave_fp32_and_training_on_the_plain_product(tiny_model):
+    model, plain = tiny_model("glm4"), tiny_model("glm4")
+    onednn_or_skip(model)
+    model.use_cpu_packed_weights()
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(decode_step_logits(model, ids), decode_step_logits(plain, ids))  # fp32: F.linear
+    model.to(torch.bfloat16).train()
+    plain.to(torch.bfloat16).train()
+    for m in (model, plain):
+        m(input_ids=ids[:, :1], labels=ids[:, :1]).loss.backward()
+    assert all("onednn" not in m.__dict__ for m in model.modules())  # under autograd: never made
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), name
+
+
+def test_cpu_packed_weights_are_refused_where_torch_has_no_onednn_linear(tiny_model, monkeypatch):
+    model = tiny_model("glm4")
+    monkeypatch.setattr(companion_of(model), "_ONEDNN_WORKS", [False])
+    with pytest.raises(ValueError, match="use_cpu_packed_weights\\(\\): torch .* no working oneDNN linear"):
+        model.use_cpu_packed_weights()
 
 
 @pytest.mark.parametrize("request_kwargs", [{"tp_plan": "auto"}, {"tp_size": 2}])

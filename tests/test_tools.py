@@ -605,6 +605,33 @@ def test_model_benchmark_times_the_weight_check_against_the_load(tmp_path, model
 
 
 @pytest.mark.matrix_ends
+def test_llamacpp_benchmark_runs_from_a_clone(tmp_path):
+    """benchmarks/llamacpp_benchmark.py --quick: every class's decode line on our side, against llama.cpp's GGUF of
+    the same weights where llama_cpp is importable in this environment (scripts/llamacpp_benchmark.sh's; not CI's),
+    and each fast path's deviation from its exact twin (no timing is asserted)."""
+    import importlib.util
+
+    numbers = tmp_path / "numbers.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "llamacpp_benchmark.py"), "--quick",
+                             "--threads", "1", "--json", str(numbers)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    run = json.loads(numbers.read_text())
+    variants = [row["variant"] for row in run["speed"]]
+    packed = ["bf16 oneDNN packed"] if "bf16 oneDNN packed: skipped" not in result.stdout else []
+    assert variants == ["fp32", "bf16 eager", *packed, "int8", "int8 + int8 head", "int4", "int4 + int8 head",
+                        "int4 + int4 head"]
+    assert all(row["ours_ms"] > 0 and 0 < row["ours_bytes"] for row in run["speed"])
+    heads = {row["variant"]: row["ours_bytes"] for row in run["speed"]}
+    assert heads["int4 + int4 head"] < heads["int4 + int8 head"] < heads["int4"]  # the head's bytes: 4 < 8 < 16 bits
+    measured_llama = importlib.util.find_spec("llama_cpp") is not None and "llama.cpp not measured" not in run["header"]
+    assert all(("llama_ms" in row) == measured_llama for row in run["speed"]), run["header"]
+    deviation = {row["variant"]: row for row in run["deviation"]}
+    assert list(deviation) == ["int8 kernel (bf16)", "int8 + int8 head", "int4 + int8 head", "int4 + int4 head"]
+    assert deviation["int8 kernel (bf16)"]["max_rel"] < 0.05  # bf16's rounding, not another model
+    assert all(0 <= row["top1_same"] <= row["steps"] == 8 for row in deviation.values())  # --quick: 8 steps
+
+
+@pytest.mark.matrix_ends
 @pytest.mark.parametrize("models", ["checkpoints", "in-memory"])
 def test_model_benchmark_runs_from_a_clone(tmp_path, models):
     """The benchmark's whole path on a tiny model (no timing is asserted), from checkpoints on disk or built in

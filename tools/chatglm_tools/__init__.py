@@ -55,7 +55,7 @@ def held_bytes(module) -> int:
     copies (plain attributes, which neither lists; their bytes are the weight's own where they replaced the codes)."""
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [t for m in module.modules() if getattr(m, "packed", None) is not None
-                for t in (m.packed.weight, m.packed.scales_and_zeros)]
+                for t in m.packed if hasattr(t, "untyped_storage")]  # its tensors (this file imports no torch)
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
