@@ -242,13 +242,19 @@ def check_llama(args) -> dict:
             "logit_difference": float(numpy.abs(theirs - ours).max())}
 
 
-def engine_main(args) -> int:
+def worker_result(check, args, failure_key: str = "error") -> int:
+    """A worker process's end: what `check(args)` found, or its traceback under failure_key, written to args.out as
+    JSON for the orchestrating process (scripts/tools_check.py's workers end the same way)."""
     try:
-        result = (check_vllm if args.engine == "vllm" else check_llama)(args)
+        result = check(args)
     except Exception:
-        result = {"error": traceback.format_exc()}
+        result = {failure_key: traceback.format_exc()}
     Path(args.out).write_text(json.dumps(result))
-    return 0 if "error" not in result else 1
+    return 0 if failure_key not in result else 1
+
+
+def engine_main(args) -> int:
+    return worker_result(check_vllm if args.engine == "vllm" else check_llama, args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -21,14 +21,14 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from engines import FAMILIES as ENGINE_FAMILIES, build_checkpoint, family_sources, print_table, run_step  # noqa: E402
+from engines import (FAMILIES as ENGINE_FAMILIES, build_checkpoint, family_sources, print_table, run_step,  # noqa: E402
+                     worker_result)
 from chatglm_tools import CODE_FILES, SHARED  # noqa: E402  (engines put tools/ on the path)
 
 NEW_TOKENS = 16
@@ -421,12 +421,7 @@ def orchestrate(args) -> int:
 
 
 def tool_main(args) -> int:
-    try:
-        result = (check_openvino if args.command == "openvino" else check_gptq)(args)
-    except Exception:
-        result = {"process": traceback.format_exc()}
-    Path(args.out).write_text(json.dumps(result))
-    return 0 if "process" not in result else 1
+    return worker_result(check_openvino if args.command == "openvino" else check_gptq, args, failure_key="process")
 
 
 def main(argv=None) -> int:
