@@ -447,12 +447,17 @@ def orchestrate(args) -> int:
             passed = greedy_equal and logits_close and chat_equal and not differences
             rows.append((label, family, "NO" if differences else "yes", "yes" if greedy_equal else "NO", logits,
                          "yes" if chat_equal else "NO", "; ".join(notes), passed or not counted))
-    print_table(rows)
+    return table_verdict(rows, "engines", "every counted check equal to ours")
+
+
+def table_verdict(rows: list, who: str, all_passed: str, **table) -> int:
+    """Print the table, then the verdict: the exit status of a check whose rows end with their pass flag."""
+    print_table(rows, **table)
     failed = [row for row in rows if not row[-1]]
     if failed:
-        print(f"engines: {len(failed)} of {len(rows)} checks FAILED", file=sys.stderr)
+        print(f"{who}: {len(failed)} of {len(rows)} checks FAILED", file=sys.stderr)
         return 1
-    print(f"engines: every counted check equal to ours ({len(rows)} rows)")
+    print(f"{who}: {all_passed} ({len(rows)} rows)")
     return 0
 
 

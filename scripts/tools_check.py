@@ -27,8 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from engines import (FAMILIES as ENGINE_FAMILIES, build_checkpoint, family_sources, print_table, run_step,  # noqa: E402
-                     worker_result)
+from engines import (FAMILIES as ENGINE_FAMILIES, build_checkpoint, family_sources, run_step,  # noqa: E402
+                     table_verdict, worker_result)
 from chatglm_tools import CODE_FILES, SHARED  # noqa: E402  (engines put tools/ on the path)
 
 NEW_TOKENS = 16
@@ -411,13 +411,8 @@ def orchestrate(args) -> int:
         if len(gptq_out) == 2:
             rows.append(("GPTQModel, ours vs original", family, "both", "info",
                          compare_quantized(gptq_out["ours"], gptq_out["original"]), True))
-    print_table(rows, header=("tool", "family", "files", "result", "notes"))
-    failed = [row for row in rows if not row[-1]]
-    if failed:
-        print(f"tools: {len(failed)} of {len(rows)} checks FAILED", file=sys.stderr)
-        return 1
-    print(f"tools: every check of our files passed ({len(rows)} rows)")
-    return 0
+    return table_verdict(rows, "tools", "every check of our files passed",
+                         header=("tool", "family", "files", "result", "notes"))
 
 
 def tool_main(args) -> int:
