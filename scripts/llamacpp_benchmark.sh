@@ -16,5 +16,4 @@ if ! "$LLAMA_PY" -c "import llama_cpp" 2>/dev/null; then
   exit 1
 fi
 CONVERT="$(ls "$ENVS"/src/llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py 2>/dev/null | tail -1)"
-export CHATGLM_SHARED_DIR="${CHATGLM_SHARED_DIR:-$(cd "$ROOT/.." && pwd)/shared}"
 exec "$LLAMA_PY" "$ROOT/benchmarks/llamacpp_benchmark.py" ${CONVERT:+--convert "$CONVERT"} "$@"
