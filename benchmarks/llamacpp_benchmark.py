@@ -16,12 +16,15 @@ AMX, llama.cpp 0.3.36's Q8_0/Q4_0 multi-token prompt crashes).
 
 Classes (ours / llama.cpp's):
   fp32   fp32 weights                                       / F32
-  bf16   bf16 weights, eager; "oneDNN packed": use_cpu_packed_weights() / F16
-  int8   bf16, blocks quantize(8, storage="original") (torch's int8 kernel); "+ int8 head": quantize_output_layer(8)
+  bf16   bf16 weights, eager; "packed": use_cpu_packed_weights() / F16
+  int8   bf16, blocks quantize(8, storage="original") (torch's int8 kernel); "+ packed bf16 head": the bf16 output
+         layer on use_cpu_packed_weights()'s paths; "+ int8 head": quantize_output_layer(8)
                                                             / Q8_0
   int4   bf16, blocks quantize(4, storage="original") (torch's int4 kernel), the output layer in bf16 as
-         chatglm2-6b-int4 keeps it; "+ int8 head" / "+ int4 head": quantize_output_layer(8 / 4)
-                                                            / Q4_0 (its output layer is Q6_K)
+         chatglm2-6b-int4 keeps it; "+ packed bf16 head", "+ int8 head" / "+ int4 head": as for int8, or
+         quantize_output_layer(4)                           / Q4_0 (its output layer is Q6_K)
+"matrix products alone": the same step's linear layers (the blocks' and the output layer, on the kernels the model
+chose) fed one row back to back: the kernels' share of the step.
 Decode ms/token: batch 1, greedy, from the first generated token to the 65th (64 steps, --steps) after an 8-token
 prompt; ours through generate(), llama.cpp through Llama.generate(); the median of --rounds rounds, ours and llama.cpp's
 alternating which goes first. "% of copy": the weight bytes a step reads (everything but the input embedding, of
@@ -112,9 +115,26 @@ def make_ggufs(fork: Path, workdir: Path, convert: Path, types: list) -> dict:
         files[kind] = workdir / f"model-{kind}.gguf"
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.nthread = LLAMA_FTYPES[kind], os.cpu_count() or 1
-        if llama_cpp.llama_model_quantize(str(files["F32"]).encode(), str(files[kind]).encode(), params):
-            raise RuntimeError(f"llama_model_quantize to {kind} failed")
+        with native_stderr_to(workdir / f"quantize-{kind}.log") as log:
+            failed = llama_cpp.llama_model_quantize(str(files["F32"]).encode(), str(files[kind]).encode(), params)
+        if failed:
+            raise RuntimeError(f"llama_model_quantize to {kind} failed:\n{log.read_text()[-3000:]}")
     return {kind: files[kind] for kind in types}
+
+
+@contextlib.contextmanager
+def native_stderr_to(path: Path):
+    """llama.cpp's C code writes a line per tensor to file descriptor 2, which Python's sys.stderr does not hold:
+    that descriptor goes to `path` for the block (the table stays readable; the file keeps the lines)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "w") as log:
+            os.dup2(log.fileno(), 2)
+            yield path
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def gguf_step_bytes(path: Path, convert: Path) -> int:
@@ -148,15 +168,19 @@ def our_variants(fork: Path, kind: str) -> dict:
             model.use_cpu_packed_weights()  # ValueError where torch has no oneDNN linear here: the line is skipped
             return model
 
-        return {"bf16 eager": lambda: load(torch.bfloat16), "bf16 oneDNN packed": packed}
+        return {"bf16 eager": lambda: load(torch.bfloat16), "bf16 packed": packed}
     bits = 8 if kind == "int8" else 4
-    heads = [None, 8] if bits == 8 else [None, 8, 4]
+    heads = [None, "packed", 8] if bits == 8 else [None, "packed", 8, 4]
 
     def build(head):
         model = load(torch.bfloat16).quantize(bits, storage="original")
+        if head == "packed":  # the bf16 head as it is, on use_cpu_packed_weights()'s paths
+            model.use_cpu_packed_weights()
+            return model
         return model if head is None else model.quantize_output_layer(head)
 
-    return {f"int{bits}" + (f" + int{head} head" if head else ""): (lambda head=head: build(head)) for head in heads}
+    names = {None: "", "packed": " + packed bf16 head", 8: " + int8 head", 4: " + int4 head"}
+    return {f"int{bits}{names[head]}": (lambda head=head: build(head)) for head in heads}
 
 
 class Stamps(transformers.StoppingCriteria):
@@ -198,6 +222,23 @@ def new_llama(path: Path, threads: int, steps: int):
                  n_threads_batch=threads, seed=0, verbose=False)
 
 
+def products_ms(model, threads: int, rounds: int) -> float:
+    """ms for the step's matrix products alone: every linear layer of the blocks and the output layer (the modules
+    the model calls, on their kernels) fed one row, back to back; the median of `rounds` passes. Beside the whole
+    step it splits the time into the kernels' share and the rest (attention, norms, generate())."""
+    torch.set_num_threads(threads)
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    rows = {m.in_features: torch.randn(1, 1, m.in_features, dtype=model.dtype) for m in layers}
+    passes = []
+    with torch.no_grad():
+        for _ in range(rounds + 1):  # the first pass warms up (and makes any packed copies)
+            start = time.perf_counter()
+            for layer in layers:
+                layer(rows[layer.in_features])
+            passes.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(passes[1:])
+
+
 def our_step_bytes(model) -> int:
     """mb.decode_weight_bytes plus the packed copies that are not the weights' own storage."""
     plain = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -233,6 +274,8 @@ def speed(args, fork: Path, ggufs: dict, bandwidth: dict, rows: list):
                            copy_gbs=bandwidth[threads] / 1e9, ours_rounds=[t for t, _ in runs["ours"]])
                 row["ours_ms"] = statistics.median(row["ours_rounds"])
                 row["ours_copy"] = moved / (row["ours_ms"] / 1e3) / bandwidth[threads]
+                row["products_ms"] = products_ms(model, threads, args.rounds)
+                row["products_copy"] = moved / (row["products_ms"] / 1e3) / bandwidth[threads]
                 if llamas:
                     row.update(llama_bytes=llama_bytes, llama_rounds=[t for t, _ in runs["llama"]])
                     row["llama_ms"] = statistics.median(row["llama_rounds"])
@@ -318,7 +361,8 @@ def deviation(args, fork: Path, rows: list):
 
 def format_speed(row, steps: int) -> str:
     text = (f"  {row['variant']:<18} {row['threads']} thr: ours {row['ours_ms']:7.1f} ms/token "
-            f"({row['ours_copy']:.0%} of copy)")
+            f"({row['ours_copy']:.0%} of copy; matrix products alone {row['products_ms']:.1f}, "
+            f"{row['products_copy']:.0%})")
     if "llama_ms" in row:
         text += (f"  llama.cpp {row['llama']:<4} {row['llama_ms']:7.1f} ({row['llama_copy']:.0%})  ratio "
                  f"{row['ratio']:.2f}  same greedy tokens {row['same_tokens']}/{steps + 1}")
@@ -326,14 +370,15 @@ def format_speed(row, steps: int) -> str:
 
 
 def markdown(speed_rows, deviation_rows, header) -> str:
-    lines = [header, "", "| ours | llama.cpp | threads | ours ms/token (% of copy) | llama.cpp ms/token (% of copy) | "
-             "ratio ours / llama.cpp | MB read per token, ours / llama.cpp |", "|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| ours | llama.cpp | threads | ours ms/token (% of copy) | ours, matrix products alone | "
+             "llama.cpp ms/token (% of copy) | ratio ours / llama.cpp | MB read per token, ours / llama.cpp |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in speed_rows:
         llama = "llama_ms" in row
+        theirs = f"{row['llama_ms']:.1f} ({row['llama_copy']:.0%}) | {row['ratio']:.2f} " if llama else "| "
         lines.append(
             f"| {row['variant']} | {row['llama'] or ''} | {row['threads']} | {row['ours_ms']:.1f} "
-            f"({row['ours_copy']:.0%}) | " + (f"{row['llama_ms']:.1f} ({row['llama_copy']:.0%}) | {row['ratio']:.2f} "
-                                               if llama else "| ") +
+            f"({row['ours_copy']:.0%}) | {row['products_ms']:.1f} ({row['products_copy']:.0%}) | {theirs}"
             f"| {row['ours_bytes'] / 1e6:.0f}" + (f" / {row['llama_bytes'] / 1e6:.0f} |" if llama else " |"))
     if deviation_rows:
         lines += ["", "| fast path | against | max abs logit diff (of the largest) | top token same | free greedy "
