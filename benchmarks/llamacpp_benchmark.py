@@ -16,7 +16,8 @@ AMX, llama.cpp 0.3.36's Q8_0/Q4_0 multi-token prompt crashes).
 
 Classes (ours / llama.cpp's):
   fp32   fp32 weights                                       / F32
-  bf16   bf16 weights, eager; "packed": use_cpu_packed_weights() / F16
+  bf16   bf16 weights, eager; "packed": use_cpu_packed_weights(); "compiled": torch.compile with inductor's freezing
+         on a static cache (docs/speed-and-memory.md's recipe; one compilation, before the timed rounds) / F16
   int8   bf16, blocks quantize(8, storage="original") (torch's int8 kernel); "+ packed bf16 head": the bf16 output
          layer on use_cpu_packed_weights()'s paths; "+ int8 head": quantize_output_layer(8)
                                                             / Q8_0
@@ -168,7 +169,13 @@ def our_variants(fork: Path, kind: str) -> dict:
             model.use_cpu_packed_weights()  # ValueError where torch has no oneDNN linear here: the line is skipped
             return model
 
-        return {"bf16 eager": lambda: load(torch.bfloat16), "bf16 packed": packed}
+        def compiled():  # docs/speed-and-memory.md's recipe: freezing prepacks the weights for oneDNN
+            torch._inductor.config.freezing = True
+            model = load(torch.bfloat16)
+            model.forward = torch.compile(model.forward)
+            return model
+
+        return {"bf16 eager": lambda: load(torch.bfloat16), "bf16 packed": packed, "bf16 compiled": compiled}
     bits = 8 if kind == "int8" else 4
     heads = [None, "packed", 8] if bits == 8 else [None, "packed", 8, 4]
 
@@ -195,13 +202,20 @@ class Stamps(transformers.StoppingCriteria):
 
 
 def our_decode(model, ids, threads: int, steps: int) -> tuple:
-    """(ms per decode step over `steps` steps, the generated tokens)."""
+    """(ms per decode step over `steps` steps, the generated tokens). A compiled model decodes on a static cache, as
+    the recipe says (one graph for every position)."""
     torch.set_num_threads(threads)
     stamps = Stamps()
+    static = {"cache_implementation": "static"} if static_cache(model) else {}
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, stopping_criteria=[stamps])
+                             eos_token_id=None, pad_token_id=0, stopping_criteria=[stamps], **static)
     return (stamps.times[steps] - stamps.times[0]) / steps * 1e3, out[0, ids.shape[1]:].tolist()
+
+
+def static_cache(model) -> bool:
+    """Whether the model's forward is compiled (torch.compile's wrapper): it then decodes on a static cache."""
+    return hasattr(model.forward, "_torchdynamo_orig_callable")
 
 
 def llama_decode(llm, ids, steps: int) -> tuple:
@@ -267,15 +281,22 @@ def speed(args, fork: Path, ggufs: dict, bandwidth: dict, rows: list):
                 engines = {"ours": lambda: our_decode(model, ids, threads, args.steps)}
                 if llamas:
                     engines["llama"] = lambda: llama_decode(llamas[threads], ids, args.steps)
-                for run in engines.values():  # warm-up
-                    run()
+                try:
+                    for run in engines.values():  # warm-up (a compiled model compiles here)
+                        run()
+                except RuntimeError as error:  # inductor without a C++ compiler, say: the compiled line is skipped
+                    if not static_cache(model):
+                        raise
+                    print(f"  {name}: skipped ({type(error).__name__}: {str(error)[:200]})", flush=True)
+                    break
                 runs = mb.interleaved(args.rounds, engines, lambda who, run: run())
                 row = dict(variant=name, llama=gguf and LLAMA_TYPES[kind], threads=threads, ours_bytes=moved,
                            copy_gbs=bandwidth[threads] / 1e9, ours_rounds=[t for t, _ in runs["ours"]])
                 row["ours_ms"] = statistics.median(row["ours_rounds"])
                 row["ours_copy"] = moved / (row["ours_ms"] / 1e3) / bandwidth[threads]
-                row["products_ms"] = products_ms(model, threads, args.rounds)
-                row["products_copy"] = moved / (row["products_ms"] / 1e3) / bandwidth[threads]
+                if not static_cache(model):  # a compiled step's products are not the modules' eager ones
+                    row["products_ms"] = products_ms(model, threads, args.rounds)
+                    row["products_copy"] = moved / (row["products_ms"] / 1e3) / bandwidth[threads]
                 if llamas:
                     row.update(llama_bytes=llama_bytes, llama_rounds=[t for t, _ in runs["llama"]])
                     row["llama_ms"] = statistics.median(row["llama_rounds"])
@@ -361,12 +382,15 @@ def deviation(args, fork: Path, rows: list):
 
 def format_speed(row, steps: int) -> str:
     text = (f"  {row['variant']:<18} {row['threads']} thr: ours {row['ours_ms']:7.1f} ms/token "
-            f"({row['ours_copy']:.0%} of copy; matrix products alone {row['products_ms']:.1f}, "
-            f"{row['products_copy']:.0%})")
+            f"({row['ours_copy']:.0%} of copy; matrix products alone {products(row)})")
     if "llama_ms" in row:
         text += (f"  llama.cpp {row['llama']:<4} {row['llama_ms']:7.1f} ({row['llama_copy']:.0%})  ratio "
                  f"{row['ratio']:.2f}  same greedy tokens {row['same_tokens']}/{steps + 1}")
     return text
+
+
+def products(row) -> str:
+    return f"{row['products_ms']:.1f} ({row['products_copy']:.0%})" if "products_ms" in row else "-"
 
 
 def markdown(speed_rows, deviation_rows, header) -> str:
@@ -378,7 +402,7 @@ def markdown(speed_rows, deviation_rows, header) -> str:
         theirs = f"{row['llama_ms']:.1f} ({row['llama_copy']:.0%}) | {row['ratio']:.2f} " if llama else "| "
         lines.append(
             f"| {row['variant']} | {row['llama'] or ''} | {row['threads']} | {row['ours_ms']:.1f} "
-            f"({row['ours_copy']:.0%}) | {row['products_ms']:.1f} ({row['products_copy']:.0%}) | {theirs}"
+            f"({row['ours_copy']:.0%}) | {products(row)} | {theirs}"
             f"| {row['ours_bytes'] / 1e6:.0f}" + (f" / {row['llama_bytes'] / 1e6:.0f} |" if llama else " |"))
     if deviation_rows:
         lines += ["", "| fast path | against | max abs logit diff (of the largest) | top token same | free greedy "
