@@ -769,6 +769,29 @@ def test_cpu_packed_weights_leave_fp32_and_training_on_the_plain_product(tiny_mo
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), name
 
 
+def test_cpu_packed_weights_under_torch_compile_take_the_plain_product(tiny_model):
+    """A compiled forward (fullgraph, static cache, as the docs' CPU recipe) traces F.linear: before, a prompt of up to
+    32 rows reached oneDNN's reorder under the compiler's fake tensors and failed. The backend here runs the traced
+    graphs eagerly: the eager plain model's tokens, and no copy made."""
+    from torch._dynamo.testing import CompileCounter
+
+    model, plain = tiny_model("glm4").to(torch.bfloat16), tiny_model("glm4").to(torch.bfloat16)
+    onednn_or_skip(model)
+    model.use_cpu_packed_weights()
+    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            expected = plain.generate(ids, **kwargs)
+            model.forward = torch.compile(model.forward, backend=CompileCounter(), fullgraph=True, dynamic=False)
+            got = model.generate(ids, cache_implementation="static", **kwargs)
+    finally:
+        torch._dynamo.reset()
+    assert got.tolist() == expected.tolist()
+    assert not any("onednn" in m.__dict__ for m in model.modules())
+
+
 def test_cpu_packed_weights_are_refused_where_torch_has_no_onednn_linear(tiny_model, monkeypatch):
     model = tiny_model("glm4")
     monkeypatch.setattr(companion_of(model), "_ONEDNN_WORKS", [False])

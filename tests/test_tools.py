@@ -588,6 +588,19 @@ def test_gpu_check_leaves_nothing_behind_when_it_ends_fails_or_is_stopped(tmp_pa
 
 
 @pytest.mark.matrix_ends
+def test_cpu_matvec_kernels_benchmark_runs():
+    """benchmarks/cpu_matvec_kernels.py --quick: a table line per kernel and thread count, each timed or saying why it
+    was skipped (no timing is asserted); torch.mv and F.linear exist in every supported torch."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_matvec_kernels.py"), "--quick",
+                             "--threads", "1"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = {line.split(" | ")[0][2:]: line for line in result.stdout.splitlines() if line.startswith("| ")}
+    assert {"copy", "bf16 F.linear (eager)", "bf16 torch.mv", "int8 _weight_int8pack_mm"} <= set(lines)
+    assert len(lines) == 8  # the header, copy and six kernels
+    assert all(float(lines[name].split(" | ")[2]) > 0 for name in ("bf16 F.linear (eager)", "bf16 torch.mv"))
+
+
+@pytest.mark.matrix_ends
 @pytest.mark.parametrize("models", ["checkpoints", "in-memory"])
 def test_model_benchmark_times_the_weight_check_against_the_load(tmp_path, models):
     """The `weights` row: from_pretrained's NaN/inf check, and its share of the load (or the in-memory build) it
