@@ -630,14 +630,16 @@ def test_llamacpp_benchmark_runs_from_a_clone(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     run = json.loads(numbers.read_text())
     variants = [row["variant"] for row in run["speed"]]
-    every = ["fp32", "bf16 eager", "bf16 packed", "bf16 compiled", "int8", "int8 + packed bf16 head", "int8 + int8 head", "int4",
-             "int4 + packed bf16 head", "int4 + int8 head", "int4 + int4 head"]
+    every = ["fp32", "bf16 eager", "bf16 packed", "bf16 compiled", "int8", "int8 + packed bf16 head", "int8 + int8 head",
+             "int4", "int4 + packed bf16 head", "int4 + int8 head", "int4 + int4 head"]
     # the packed lines are skipped, and say so, where torch has no oneDNN linear (use_cpu_packed_weights refuses);
     # the compiled one where inductor cannot compile (no C++ compiler)
     assert variants == [name for name in every if f"{name}: skipped" not in result.stdout]
     assert len(variants) >= 7
     assert all(row["ours_ms"] > 0 and 0 < row["ours_bytes"] for row in run["speed"])
-    assert all((row["products_ms"] > 0) == (row["variant"] != "bf16 compiled") for row in run["speed"])
+    # the products alone are timed on the modules' eager kernels: not for the compiled line
+    assert all(("products_ms" in row) == (row["variant"] != "bf16 compiled") for row in run["speed"])
+    assert all(row["products_ms"] > 0 for row in run["speed"] if "products_ms" in row)
     heads = {row["variant"]: row["ours_bytes"] for row in run["speed"]}
     assert heads["int4 + int4 head"] < heads["int4 + int8 head"] < heads["int4"]  # the head's bytes: 4 < 8 < 16 bits
     measured_llama = importlib.util.find_spec("llama_cpp") is not None and "llama.cpp not measured" not in run["header"]
