@@ -2182,9 +2182,9 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
 
     def use_cpu_packed_weights(self, enable: bool = True) -> int:
         """Opt-in for bf16/fp16 decode on a CPU: each float nn.Linear also holds its weight in oneDNN's blocked layout
-        (quantization_chatglm.OneDnnLinear), which calls of 2 to 32 rows without autograd multiply by; one row takes
-        torch's matrix-vector kernel, where it gives the eager product bit for bit (bf16), and no copy. Each reads the
-        weights about 1.3x as fast as the eager product where the CPU has AVX-512 BF16 (docs/speed-and-memory.md:
+        (quantization_chatglm.OneDnnLinear), which calls of up to 32 rows without autograd multiply by; one bf16 row
+        takes torch's matrix-vector kernel instead, and no copy. Both read the weights 1.1-1.2x as fast as the eager
+        product on the benchmark's AVX-512 BF16 CPU, within the dtype's rounding of it (docs/speed-and-memory.md:
         measured). The copy costs those weights' bytes again; the parameters and the state dict stay as they are.
         False drops the copies. Returns how many layers take these paths."""
         return import_companion("quantization_chatglm", self.config).use_cpu_packed_weights(self, enable)

@@ -678,8 +678,8 @@ class OneDnnLinear(nn.Linear):
     its bf16/fp16 weight reordered into oneDNN's blocked layout, made at the first call that can use it and again
     after the weight changes (a move, a load, an optimizer step). Calls of a few rows (decode) on a CPU, without
     autograd, multiply by it: torch's eager 16-bit matrix-vector product reads a row-major weight at a fraction of
-    the memory bandwidth that the blocked one reaches. A single row takes torch's matrix-vector kernel instead where
-    that gives F.linear's product bit for bit (matrix_vector_is_linear: bf16 here), as fast and with no copy made.
+    the memory bandwidth that the blocked one reaches. A single bf16 row takes torch's matrix-vector kernel instead
+    (matrix_vector), about as fast, with no copy made.
     The copy is not pickled (deepcopy, torch.save)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -687,7 +687,7 @@ class OneDnnLinear(nn.Linear):
         # a step on its generated matrix-vector code was 1.6x slower than a frozen one on the benchmark's model)
         if not self.takes_packed(x) or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
-        if x.numel() == x.shape[-1] and matrix_vector_is_linear(x.dtype):
+        if x.numel() == x.shape[-1] and x.dtype == torch.bfloat16:
             return self.matrix_vector(x)
         weight = self.weight
         packed = self.__dict__.get("onednn")
@@ -699,8 +699,10 @@ class OneDnnLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn[0], self.bias, "none", [], "")
 
     def matrix_vector(self, x: torch.Tensor) -> torch.Tensor:
-        """One row (single-sequence decode): torch's matrix-vector kernel on the row-major weight, which reads it as
-        fast as oneDNN's blocked copy does and needs no copy (issue 44's kernel table)."""
+        """One bf16 row (single-sequence decode): torch's matrix-vector kernel on the row-major weight, which reads it
+        as fast as oneDNN's blocked copy does with torch 2.13 (1.1x slower with 2.4) and needs no copy; it
+        accumulates in fp32 as F.linear does, in its own order (docs/speed-and-memory.md: cpu_matvec_kernels.py). Its
+        fp16 kernel is 2-4x slower than the copy's: fp16 rows take the copy."""
         row = x.reshape(-1)
         out = torch.mv(self.weight, row) if self.bias is None else torch.addmv(self.bias, self.weight, row)
         return out.reshape(*x.shape[:-1], -1)
@@ -736,23 +738,6 @@ def onednn_works() -> bool:
         except (AttributeError, RuntimeError, NotImplementedError):  # no mkldnn build, no such operator
             _ONEDNN_WORKS.append(False)
     return _ONEDNN_WORKS[0]
-
-
-_MATRIX_VECTOR_EXACT = {}  # dtype -> whether torch.mv / addmv give F.linear's one-row product bit for bit here
-
-
-def matrix_vector_is_linear(dtype: torch.dtype) -> bool:
-    """Whether, on this torch and CPU, the matrix-vector kernel gives F.linear's one-row product bit for bit in
-    `dtype`, checked once on a probe as large as a block's layer (both accumulate in fp32, yet in an order of their
-    own: torch 2.13 on AVX-512 agrees in bf16 and not in fp16). Where it does not, one row takes the blocked copy."""
-    if dtype not in _MATRIX_VECTOR_EXACT:
-        weight, bias = probe_values((512, 2048), "cpu").to(dtype), probe_values(512, "cpu").to(dtype)
-        row = probe_values((1, 2048), "cpu").flip(-1).to(dtype)
-        with torch.no_grad():
-            _MATRIX_VECTOR_EXACT[dtype] = (torch.equal(torch.mv(weight, row[0]), F.linear(row, weight)[0])
-                                           and torch.equal(torch.addmv(bias, weight, row[0]),
-                                                           F.linear(row, weight, bias)[0]))
-    return _MATRIX_VECTOR_EXACT[dtype]
 
 
 def use_cpu_packed_weights(model: nn.Module, enable: bool = True) -> int:
