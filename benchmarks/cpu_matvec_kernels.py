@@ -36,16 +36,6 @@ SHAPES = {  # (out, in) of one block's four layers, the block count, the output 
 GROUP = 64  # int4 group size: divides every input width above
 
 
-def timed(run, rounds: int) -> float:
-    run()
-    passes = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        passes.append(time.perf_counter() - start)
-    return statistics.median(passes)
-
-
 def kernels(shapes: list) -> dict:
     """name -> (a builder of the pass over every matrix, the weight bytes one pass reads). Built one at a time, so
     that only one kernel's weights are held."""
@@ -105,12 +95,14 @@ def main(argv=None) -> int:
     print("| kernel | threads | ms per pass | GB/s of weights | share of the copy |\n|---|---|---|---|---|")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        copy = mb.memory_bandwidth("cpu", mb.Clock("cpu", "wall"), 5)[0]
+        clock = mb.Clock("cpu", "wall")
+        copy = mb.memory_bandwidth("cpu", clock, 5)[0]
         print(f"| copy | {threads} | | {copy / 1e9:.1f} | 100% |", flush=True)
         for name, (build, nbytes) in kernels(shapes).items():
             try:
                 run = build()
-                seconds = timed(run, rounds)
+                run()  # warm-up
+                seconds = statistics.median(clock(run) for _ in range(rounds))
             except (AttributeError, RuntimeError, NotImplementedError) as error:  # not in this torch, or not here
                 print(f"| {name} | {threads} | skipped: {type(error).__name__}: {str(error)[:120]} | | |", flush=True)
                 continue

@@ -206,15 +206,15 @@ def our_decode(model, ids, threads: int, steps: int) -> tuple:
     the recipe says (one graph for every position)."""
     torch.set_num_threads(threads)
     stamps = Stamps()
-    static = {"cache_implementation": "static"} if static_cache(model) else {}
+    static = {"cache_implementation": "static"} if is_compiled(model) else {}
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
                              eos_token_id=None, pad_token_id=0, stopping_criteria=[stamps], **static)
     return (stamps.times[steps] - stamps.times[0]) / steps * 1e3, out[0, ids.shape[1]:].tolist()
 
 
-def static_cache(model) -> bool:
-    """Whether the model's forward is compiled (torch.compile's wrapper): it then decodes on a static cache."""
+def is_compiled(model) -> bool:
+    """Whether the model's forward is torch.compile's wrapper: it then decodes on a static cache."""
     return hasattr(model.forward, "_torchdynamo_orig_callable")
 
 
@@ -236,21 +236,12 @@ def new_llama(path: Path, threads: int, steps: int):
                  n_threads_batch=threads, seed=0, verbose=False)
 
 
-def products_ms(model, threads: int, rounds: int) -> float:
-    """ms for the step's matrix products alone: every linear layer of the blocks and the output layer (the modules
-    the model calls, on their kernels) fed one row, back to back; the median of `rounds` passes. Beside the whole
-    step it splits the time into the kernels' share and the rest (attention, norms, generate())."""
+def products_ms(model, threads: int) -> float:
+    """ms for the step's matrix products alone (model_benchmark.matrix_vector_seconds: every linear layer of the
+    blocks and the output layer on its own kernel, fed one row, back to back): beside the whole step it splits the
+    time into the kernels' share and the rest (attention, norms, generate())."""
     torch.set_num_threads(threads)
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    rows = {m.in_features: torch.randn(1, 1, m.in_features, dtype=model.dtype) for m in layers}
-    passes = []
-    with torch.no_grad():
-        for _ in range(rounds + 1):  # the first pass warms up (and makes any packed copies)
-            start = time.perf_counter()
-            for layer in layers:
-                layer(rows[layer.in_features])
-            passes.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(passes[1:])
+    return mb.matrix_vector_seconds(model, 1, mb.Clock("cpu", "wall")) * 1e3
 
 
 def our_step_bytes(model) -> int:
@@ -285,7 +276,7 @@ def speed(args, fork: Path, ggufs: dict, bandwidth: dict, rows: list):
                     for run in engines.values():  # warm-up (a compiled model compiles here)
                         run()
                 except RuntimeError as error:  # inductor without a C++ compiler, say: the compiled line is skipped
-                    if not static_cache(model):
+                    if not is_compiled(model):
                         raise
                     print(f"  {name}: skipped ({type(error).__name__}: {str(error)[:200]})", flush=True)
                     break
@@ -294,8 +285,8 @@ def speed(args, fork: Path, ggufs: dict, bandwidth: dict, rows: list):
                            copy_gbs=bandwidth[threads] / 1e9, ours_rounds=[t for t, _ in runs["ours"]])
                 row["ours_ms"] = statistics.median(row["ours_rounds"])
                 row["ours_copy"] = moved / (row["ours_ms"] / 1e3) / bandwidth[threads]
-                if not static_cache(model):  # a compiled step's products are not the modules' eager ones
-                    row["products_ms"] = products_ms(model, threads, args.rounds)
+                if not is_compiled(model):  # a compiled step's products are not the modules' eager ones
+                    row["products_ms"] = products_ms(model, threads)
                     row["products_copy"] = moved / (row["products_ms"] / 1e3) / bandwidth[threads]
                 if llamas:
                     row.update(llama_bytes=llama_bytes, llama_rounds=[t for t, _ in runs["llama"]])

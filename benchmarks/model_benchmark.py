@@ -649,8 +649,9 @@ def decode_weight_bytes(model) -> int:
 
 
 def matrix_vector_seconds(model, batch: int, clock, prepacked: bool = False) -> Optional[float]:
-    """The decode step's matrix products alone (every nn.Linear once, on a [batch, 1, in] input): what torch's
-    kernels take to stream these weights, without attention, norms or Python around them. prepacked (CPU): through
+    """The decode step's matrix products alone (every nn.Linear once, on a [batch, 1, in] input, through the module
+    as the model calls it: a quantized or packed layer on its own kernel): what torch's kernels take to stream these
+    weights, without attention, norms or Python around them. prepacked (CPU): through
     oneDNN with each weight reordered once into its blocked layout, as torch.compile's CPU freezing does: the best
     kernel torch ships for this dtype here, or None where this torch has no such op for it."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -664,8 +665,8 @@ def matrix_vector_seconds(model, batch: int, clock, prepacked: bool = False) -> 
         except (AttributeError, RuntimeError):
             return None
     else:
-        weights = [m.weight for m in linears]
-        product = lambda x, w, m: torch.nn.functional.linear(x, w, m.bias)  # noqa: E731
+        weights = [None] * len(linears)
+        product = lambda x, w, m: m(x)  # noqa: E731
 
     def run():
         with torch.no_grad():
