@@ -47,9 +47,9 @@ Where to change what (section: names):
   had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads testdata/surface
   a call between modules        the original's contracts (testdata/surface/*-calls.json, tests/test_contracts.py):
                                 GLMTransformer (encoder), GLMBlock, SelfAttention, CoreAttention, RotaryEmbedding
-                                say what travels in each argument; `LayerInputs` carries this file's own values,
-                                `computes_unobserved` decides where a hooked or replaced module gets the original's
-                                tensors instead
+                                say what travels in each argument; Module contracts: `LayerInputs` carries this
+                                file's own values, `forward_replaced` decides where a module a tool replaced gets the
+                                original's instead
 """
 
 import ast
@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks  # (computes_unobserved)
+from torch.fx._symbolic_trace import is_fx_tracing  # (is_tracing)
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import (
@@ -288,6 +288,12 @@ def is_compiling() -> bool:
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
+def is_tracing() -> bool:
+    """Whether torch.compile, torch.jit.trace (OpenVINO's export) or torch.fx (llm-compressor) is tracing: checks and
+    shortcuts that read values step aside, as a trace would freeze them or cannot read them."""
+    return is_compiling() or torch.jit.is_tracing() or is_fx_tracing()
+
+
 # torch 2.4's rms_norm is composite: in a half type it rounds the normalised value to the input's dtype and then
 # multiplies by the weight, two roundings where the original rounds once. Later releases' fused kernel multiplies in
 # fp32 and rounds once (torch 2.13 on CPU, measured), which lets a bf16/fp16 RMSNorm be one call instead of four.
@@ -300,7 +306,7 @@ def rms_norm_rounds_once(device: torch.device, dtype: torch.dtype) -> bool:
     bit for bit on `device`'s type (compared on a small sample; never tried while compiling: False there)."""
     key = (device.type, dtype)
     if key not in _RMS_NORM_ROUNDS_ONCE:
-        if is_compiling() or device.type == "meta":
+        if is_tracing() or device.type == "meta":
             return False
         generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
         x = (torch.randn(16, 256, generator=generator) * 3).to(device, dtype)
@@ -371,9 +377,11 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
 def complete_original_config(config):
     """Fill in what the original configuration classes lack and transformers reads: `num_key_value_heads` and
     `head_dim` (StaticCache), ChatGLM3's `num_hidden_layers` (the Cache classes from 4.56 on), and GLM-4's
-    `use_cache` (PretrainedConfig stopped defining it in 5.0). Ours defines them all."""
+    `use_cache` (PretrainedConfig stopped defining it in 5.0). Ours defines them all. ChatGLM2/3's classes have no
+    `rope_ratio`: 1, the reading RotaryEmbedding makes of its absence; tools tell the batch-first GLM-4 layout,
+    which every family has here, by that field (optimum-intel's OpenVINO export)."""
     derived = {"num_hidden_layers": config.num_layers, "num_key_value_heads": num_key_value_heads(config),
-               "head_dim": config.kv_channels, "use_cache": True}
+               "head_dim": config.kv_channels, "use_cache": True, "rope_ratio": 1}
     for name, value in derived.items():
         if not hasattr(config, name):
             setattr(config, name, value)
@@ -1233,7 +1241,7 @@ def cached_length(past_key_values, model, batch: int):
                                        "cache this model returned, or a new DynamicCache().")
         check_cache_shape(past_key_values, model, batch)
         length = past_key_values.get_seq_length()
-        if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_compiling():
+        if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_tracing():
             return int(length)
         return length
     sizes = model.encoder.layers[0].self_attention.sizes
@@ -1312,6 +1320,67 @@ def record_image_rows(cache: Cache, rows: int):
 
 
 # ======================================================================================================================
+# Module contracts
+# ======================================================================================================================
+
+
+# Each module keeps the original's call: forward(hidden_states, attention_mask, rotary_pos_emb, kv_cache, use_cache)
+# for the encoder (kv_caches), its layers and their self_attention; forward(query, key, value, attention_mask) for
+# core_attention; rotary_pos_emb(seq_length). The original hands over the rotary rows ([batch, seq, dim / 2, (cos,
+# sin)], one tensor), a boolean mask True where a query must NOT look (None: causal, or one new token), keys and values
+# repeated to every query head. This file's forward hands over cheaper values in the same slots, told apart by their
+# form, never by whether anything watches (hooks only read, and see these):
+#   rotary_pos_emb   LayerInputs, a tuple: the rotary tables and what the kernel takes besides the mask
+#   attention_mask   beside a LayerInputs: the kernel's own mask (build_attention_mask: None, True where a query MAY
+#                    look, an additive float mask, or flash's 2-D padding mask)
+#   core_attention   keys and values per group; its attention_mask a KernelInputs tuple (the kernel's mask and the rest)
+#   rotary_pos_emb() called with the position ids [batch, seq]: (cos, sin) for those rows alone
+# Every module computes with either form: a layer called as the original calls it, with the original's tensors,
+# returns the original's result in the original's formats (GLM-4's batch-first layout). The original's values cross
+# only a boundary where a tool has put another forward in place (`forward_replaced`): its forward was written to the
+# original. What a layer is called with is tensors, tuples, a string and None (with output_attentions, a list that
+# collects the weights), which tools that capture a layer's arguments and replay them keep (GPTQModel, AutoRound); a
+# plain tuple of the same items is read the same way.
+
+
+class LayerInputs(NamedTuple):
+    """`rotary_pos_emb` as this file's forward hands it to the encoder and every layer."""
+
+    cos: torch.Tensor  # [batch or 1, 1, seq, head_dim] in the compute dtype (head_tables)
+    sin: torch.Tensor
+    cache_position: torch.Tensor  # [seq]: the cache slots of the new tokens
+    implementation: str  # the kernel of this forward (attention_implementation)
+    kernel_kwargs: tuple  # ((name, value), ...): extra arguments for the kernel (attention backends, packed rows)
+    attentions: Optional[list]  # with output_attentions: one slot per layer, written by its core_attention
+
+
+class KernelInputs(NamedTuple):
+    """core_attention's `attention_mask` as SelfAttention hands it: the kernel's mask and what else it takes."""
+
+    mask: Optional[torch.Tensor]
+    implementation: str
+    kernel_kwargs: tuple
+    attentions: Optional[list]
+
+
+def takes_our_values(forward):
+    """Marks a forward of this file as computing with the values this file hands over (see above)."""
+    forward.takes_our_values = True
+    return forward
+
+
+def forward_replaced(module: nn.Module) -> bool:
+    """Whether a tool has put another forward in place of this file's, on the instance, on its class, or as a module
+    of its own class: then the module is called with the original's values. Read from the forward itself (a marker,
+    not identity with this file's functions: transformers 4.44 to 4.4x execute this file again at every load, and a
+    model loaded before keeps the functions it was built with). Hooks do not count: they only read. accelerate's
+    device hook wraps the forward it found, which decides."""
+    forward = module.__dict__.get("_old_forward") if "_hf_hook" in module.__dict__ else None
+    forward = forward if forward is not None else module.__dict__.get("forward", type(module).forward)
+    return not getattr(getattr(forward, "__func__", forward), "takes_our_values", False)
+
+
+# ======================================================================================================================
 # Rotary position embedding
 # ======================================================================================================================
 
@@ -1323,9 +1392,9 @@ class RotaryEmbedding(nn.Module):
     module's.
 
     Its `forward(max_seq_len, offset=0)` is the original's: the table of positions 0 .. max_seq_len - 1
-    [max_seq_len, dim / 2, (cos, sin)]. The model calls it as the original does (`rotary_pos_emb(seq_length)`, then
-    rows by position id) when a hook or a replaced `forward` observes it; otherwise it computes only the rows its
-    positions need (`cos_sin`), the same values, without a table of seq_length rows per forward."""
+    [max_seq_len, dim / 2, (cos, sin)]. This file's forward calls it with the position ids [batch, seq] in
+    `max_seq_len`'s place, and gets the rows it rotates with as the layers take them (`cos_sin`): no table of
+    seq_length rows per forward. A forward a tool put in its place is called as the original calls it."""
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
@@ -1352,12 +1421,16 @@ class RotaryEmbedding(nn.Module):
         if self.inv_freq.device.type == "cpu":
             self.inv_freq = self.inv_freq.clone()
 
-    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        """The original's call: the table of positions 0 .. max_seq_len - 1 in inv_freq's dtype, on its device
-        (`offset` is accepted and, as in the original, not read)."""
+    @takes_our_values
+    def forward(self, max_seq_len, offset: int = 0):
+        """The original's call (an int): its table, in inv_freq's dtype, on its device (`offset` is accepted and, as
+        in the original, not read). Position ids [batch, seq] instead: `cos_sin` of them, in fp32."""
+        if isinstance(max_seq_len, torch.Tensor):
+            return self.cos_sin(max_seq_len)
         return self.forward_impl(max_seq_len, self.dim, dtype=self.inv_freq.dtype, device=self.inv_freq.device)
 
-    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The rows of `position_ids` [batch, seq] of the original's table, as the layers rotate with them
         (`head_tables`): computed for those positions alone."""
         theta = self.theta(position_ids.device)
@@ -1365,18 +1438,7 @@ class RotaryEmbedding(nn.Module):
         if self.position_divisor != 1.0:  # position interpolation (chatglm2-6b-32k)
             positions = positions / self.position_divisor
         angles = positions * theta
-        return self.head_tables(angles.cos(), angles.sin(), dtype)
-
-    def head_tables(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [batch, seq, dim / 2] (one angle per pair) over a head's whole width: [batch, 1, seq,
-        head_dim]. On the turning channels each value repeats for its pair, sin with the pair's signs (-, +); the
-        other channels pass (cos 1, sin 0). Made once per forward, so that each layer turns its queries and keys in
-        four operators (SelfAttention.rotated_heads)."""
-        passing = self.head_dim - self.rotary_channels
-        cos = F.pad(cos.repeat_interleave(2, dim=-1), (0, passing), value=1.0)
-        sin = F.pad(torch.stack((-sin, sin), dim=-1).flatten(-2), (0, passing))
-        return cos[:, None].to(dtype), sin[:, None].to(dtype)
+        return head_tables(angles.cos(), angles.sin(), self.head_dim, dtype)
 
     def theta(self, device: torch.device) -> torch.Tensor:
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=device)
@@ -1406,6 +1468,18 @@ def own_loaded_inv_freq(module, state_dict, prefix, *args):
     key = prefix + "inv_freq"
     if isinstance(state_dict.get(key), torch.Tensor) and state_dict[key].device.type == "cpu":
         state_dict[key] = state_dict[key].clone()
+
+
+def head_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, dtype: torch.dtype
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [batch, seq, pairs] (one angle per turning pair) over a head's whole width: [batch, 1, seq,
+    head_dim]. On the turning channels each value repeats for its pair, sin with the pair's signs (-, +); the other
+    channels pass (cos 1, sin 0). Made once per forward, so that each layer turns its queries and keys in four
+    operators (SelfAttention.rotated_heads)."""
+    passing = head_dim - 2 * cos.shape[-1]
+    cos = F.pad(cos.repeat_interleave(2, dim=-1), (0, passing), value=1.0)
+    sin = F.pad(torch.stack((-sin, sin), dim=-1).flatten(-2), (0, passing))
+    return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -1497,14 +1571,15 @@ def attention_implementation(config: ChatGLMConfig, output_attentions: bool) -> 
     """The kernel of one forward: the configured one, or eager when attention weights are asked for (the fused and
     flash kernels do not compute them; transformers' models fall back the same way)."""
     implementation = config._attn_implementation or "eager"
-    if output_attentions and implementation != "eager":
+    if not output_attentions or implementation == "eager":
+        return implementation
+    if not is_tracing():  # (logging breaks a compiled graph)
         logger.warning_once(
             f"output_attentions=True: the attention weights are computed by the eager kernel for those calls "
             f"instead of {implementation!r} (slower, more memory). Load with attn_implementation='eager' to make it "
             "the default."
         )
-        return "eager"
-    return implementation
+    return "eager"
 
 
 def packed_sequence_ids(position_ids: Optional[torch.Tensor], attention_mask, past_length) -> Optional[torch.Tensor]:
@@ -1519,7 +1594,7 @@ def packed_sequence_ids(position_ids: Optional[torch.Tensor], attention_mask, pa
     steps = torch.diff(position_ids, dim=-1, prepend=position_ids[..., :1] - 1)
     restarts = (steps != 1) & ~((steps == 0) & (position_ids > 0))  # GLM-4V's image rows share one position
     sequence_ids = restarts.cumsum(-1)
-    if not is_compiling() and not bool(sequence_ids[..., -1].any()):
+    if not is_tracing() and not bool(sequence_ids[..., -1].any()):
         return None
     return sequence_ids
 
@@ -1537,43 +1612,35 @@ def flash_varlen_kwargs(sequence_ids: torch.Tensor, position_ids: torch.Tensor, 
 
 def build_attention_mask(implementation, attention_mask, query_positions, key_length, *, batch_size,
                          preallocated=False, sequence_ids=None, prefix=0):
-    """The mask the attention kernels take (the first of `attention_masks`)."""
-    return attention_masks(implementation, attention_mask, query_positions, key_length, batch_size=batch_size,
-                           preallocated=preallocated, sequence_ids=sequence_ids, prefix=prefix)[0]
-
-
-def attention_masks(implementation, attention_mask, query_positions, key_length, *, batch_size,
-                    preallocated=False, sequence_ids=None, prefix=0):
-    """The mask the attention kernels take, and the original's mask where the original builds one.
+    """The mask the attention kernels take.
 
     attention_mask: None, a [batch, past + new] padding mask (1 = token, 0 = padding), or a 4D mask (a custom one,
     or one generate() prepared for a static cache: passed through). query_positions: [1, new], each query's slot in
     the cache; preallocated: the cache has key_length slots, those beyond the last query unwritten (static caches).
     sequence_ids: packed rows (packed_sequence_ids), each token attending only within its own sequence and to the
     `prefix` slots (a P-tuning v2 prefix) that lead the cache.
-    Returns (ours, original). Ours: None (plain causal), a 2D [batch, key_length] padding mask for the flash kernels
-    (they apply causality and packing themselves), or a boolean [batch, 1, new, key_length] mask, True where a query
-    may attend. The original's (`original_attention_mask`, True where a query must NOT look) where its forward builds
-    one: a 2-D mask with padding, or several new tokens after cached ones; else None (as there; also for the steps of
-    a static cache, a custom 4D mask, which the original does not have, and the flash kernels' decode steps). It
-    costs no operator in a decode step.
+    Returns None (plain causal), a 2D [batch, key_length] padding mask for the flash kernels (they apply causality
+    and packing themselves), or a boolean [batch, 1, new, key_length] mask, True where a query may attend. A decode
+    step costs no operator here; nothing of the original's mask is built (`original_mask`).
     """
     if attention_mask is not None and attention_mask.dim() == 4:
-        return attention_mask, None
+        if implementation == "eager" and attention_mask.dtype == torch.bool:
+            # A padding query that sees no key (generate()'s static-cache masks are made for the configured sdpa):
+            # every key, as in our own masks. The eager softmax over nothing is NaN, which the padding's values would
+            # carry into real tokens at the next layer (sdpa's kernel gives such rows zeros itself).
+            return attention_mask | ~attention_mask.any(dim=-1, keepdim=True)
+        return attention_mask
     query_length = query_positions.shape[-1]
     # Without padding, causality alone is the mask when the keys end with the queries (a prompt, one token on a cache
     # that grows) or when a prompt fills an empty preallocated cache (its unwritten slots lie beyond every query;
-    # reading the first position costs one host sync per prompt). Other steps on a static cache mask its unwritten slots.
+    # reading the first position costs one host sync per prompt). Other steps on a static cache mask its unwritten
+    # slots. Value-dependent shortcuts step aside while compiling or tracing (a trace would freeze them).
     if preallocated:
-        prefill, decode = query_length > 1 and not is_compiling() and int(query_positions[0, 0]) == 0, False
+        prefill, decode = query_length > 1 and not is_tracing() and int(query_positions[0, 0]) == 0, False
     else:
         prefill, decode = query_length == key_length, query_length == 1
-    if attention_mask is not None and prefill and not is_compiling() and bool(attention_mask.all()):
+    if attention_mask is not None and prefill and not is_tracing() and bool(attention_mask.all()):
         attention_mask = None  # one host sync per prompt buys the fused causal kernels (none per decode step)
-    original = None
-    if not preallocated and not decode and (attention_mask is not None or not prefill):
-        original = original_attention_mask(attention_mask, batch_size, query_length, key_length - query_length,
-                                           query_positions.device)
     key_positions = torch.arange(key_length, device=query_positions.device)
     if implementation.startswith("flash"):
         if sequence_ids is not None and prefix:
@@ -1583,13 +1650,13 @@ def attention_masks(implementation, attention_mask, query_positions, key_length,
             attention_mask = (key_positions[None] <= query_positions[:, -1:]).expand(batch_size, -1)
         if attention_mask is not None and attention_mask.shape[-1] < key_length:
             attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[-1]), value=0)
-        return attention_mask, original
+        return attention_mask
     if attention_mask is None and sequence_ids is None and (decode or (prefill and implementation == "sdpa")):
-        return None, original
-    if decode:  # one new token on a cache that grows: every key precedes it, the padding alone is the mask (the
-        # original's is its complement); a row of padding alone sees every key
-        blocked = padding_blocked(attention_mask)
-        return ~blocked | blocked.all(dim=-1, keepdim=True), blocked
+        return None
+    if decode:  # one new token on a cache that grows: every key precedes it, the padding alone is the mask; a row
+        # of padding alone sees every key
+        allowed = (attention_mask != 0)[:, None, None, :]
+        return allowed | ~allowed.any(dim=-1, keepdim=True)
     mask = key_positions[None, None, :] <= query_positions[:, :, None]
     if sequence_ids is not None:  # a prompt: every query sees the prefix slots, then the keys of its own sequence
         # (a static cache's slots after the prompt are unwritten)
@@ -1603,125 +1670,105 @@ def attention_masks(implementation, attention_mask, query_positions, key_length,
     # A padding query sees no key at all; let it see every key so that its softmax stays finite (its output is
     # never used by a real token).
     mask = mask | ~mask.any(dim=-1, keepdim=True)
-    return mask[:, None], original
-
-
-def padding_blocked(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[batch, keys] padding mask -> [batch, 1, 1, keys], True at padding: the original's mask of a decode step."""
-    return (attention_mask == 0)[:, None, None, :]
+    return mask[:, None]
 
 
 def original_attention_mask(padding_mask, batch_size: int, query_length: int, past_length, device) -> torch.Tensor:
     """The original's attention mask (its get_masks): [batch, 1, new, past + new], True where a query must NOT
     look: causal, every cached slot visible, keys at padding (0 in the 2-D `padding_mask`, past included) hidden,
-    and in a prompt each padded query row sees every key."""
-    mask = torch.ones(batch_size, query_length, query_length, device=device).tril_()
+    and in a prompt each padded query row sees every key. Boolean operators only."""
+    allowed = torch.ones(query_length, query_length, dtype=torch.bool, device=device).tril_()
     if past_length:
-        mask = torch.cat((mask.new_ones(batch_size, query_length, past_length), mask), dim=-1)
+        allowed = torch.cat((allowed.new_ones(query_length, past_length), allowed), dim=-1)
+    allowed = allowed.expand(batch_size, -1, -1)
     if padding_mask is not None:
-        padding_mask = padding_mask.to(mask.dtype)  # (a boolean or integer mask too)
-        mask = mask * padding_mask.unsqueeze(1)
+        padding = padding_mask.to(device) != 0
+        allowed = allowed & padding[:, None, :]
         if not past_length:
-            mask -= padding_mask.unsqueeze(-1) - 1
-    return (mask < 0.5).unsqueeze(1)
+            allowed = allowed | ~padding[:, :, None]
+    return ~allowed[:, None]
 
 
-class AttentionInputs(NamedTuple):
-    """What every layer reads besides the hidden states, on that layer's device."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    mask: Optional[torch.Tensor]  # attention_masks' first
-    cache_position: torch.Tensor  # the cache slots of the new tokens
-    implementation: str  # the kernel of this forward (attention_implementation)
-    kernel_kwargs: dict  # extra keyword arguments for the kernel (attention backends, packed flash rows)
-    weights: Optional[dict]  # with output_attentions: each layer's attention weights, by layer index (CoreAttention)
-
-
-class LayerInputs:
-    """What every layer reads besides the hidden states, made once per forward. The model hands it to the encoder,
-    and the encoder to each layer, in the original's `rotary_pos_emb` argument: tools that copy a layer's arguments
-    and call it again (GPTQ's layer replay) pass it on unchanged, as any object that is not a tensor or a container.
-    Copied to each device that holds layers once, not once per layer. `original_mask` is the original's mask of this
-    forward, or None where the original has none (attention_masks), which the model passes as `attention_mask`."""
-
-    def __init__(self, inputs: AttentionInputs, original_mask: Optional[torch.Tensor], eager_mask, sizes: tuple):
-        self._source = inputs
-        self._copies = {}
-        self.original_mask = original_mask
-        self._eager_mask = eager_mask  # builds our boolean mask: only for the original's call of core_attention
-        self._sizes = sizes  # (batch, new tokens, keys)
-        self._blocked = {}
-
-    def on(self, device: Optional[torch.device]) -> AttentionInputs:
-        if device not in self._copies:
-            # Plain loops and the constructor: torch 2.4's dynamo traces neither a comprehension that reads `device`
-            # nor NamedTuple._replace (torch.compile fails there, fullgraph or not).
-            source, kernel_kwargs = self._source, {}
-            for name, value in source.kernel_kwargs.items():
-                kernel_kwargs[name] = device_boundary(value, device) if isinstance(value, torch.Tensor) else value
-            self._copies[device] = AttentionInputs(
-                device_boundary(source.cos, device), device_boundary(source.sin, device),
-                device_boundary(source.mask, device), device_boundary(source.cache_position, device),
-                source.implementation, kernel_kwargs, source.weights)
-        return self._copies[device]
-
-    def blocked(self, device: torch.device) -> torch.Tensor:
-        """The mask of the original's call of core_attention: [batch, 1, new, keys], True where a query must NOT
-        look, always a tensor (a function written to that call may not take None). The original's own where it
-        covers every key; else the complement of the eager kernel's (static caches, custom masks, no padding)."""
-        if device not in self._blocked:
-            batch, new, keys = self._sizes
-            mask = self.original_mask
-            if mask is None or mask.shape[-1] != keys:
-                allowed = self._eager_mask()
-                if allowed is None:  # one new token, no padding: every key
-                    mask = torch.zeros(batch, 1, new, keys, dtype=torch.bool, device=self._source.cos.device)
-                else:  # a custom additive mask hides with large negative values
-                    mask = ~allowed if allowed.dtype == torch.bool else allowed < 0
-            self._blocked[device] = device_boundary(mask, device)
-        return self._blocked[device]
-
-    def attentions(self, num_layers: int) -> Optional[tuple]:
-        """The attention weights of every layer, with output_attentions (None where a replaced core_attention
-        gave none)."""
-        weights = self._source.weights
-        return None if weights is None else tuple(weights.get(index) for index in range(num_layers))
+def placed_inputs(value, device: Optional[torch.device]):
+    """A layer's inputs on `device` (device_boundary): tuples rebuilt with their tensors moved, anything else (the
+    attentions list every layer writes into, strings) the same object. Plain loops: torch 2.4's dynamo traces no
+    comprehension that reads `device`."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return device_boundary(value, device)
+    if not isinstance(value, tuple):
+        return value
+    items = []
+    for item in value:
+        items.append(placed_inputs(item, device))
+    return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
 
 
-def checked_layer_inputs(rotary_pos_emb) -> LayerInputs:
-    if not isinstance(rotary_pos_emb, LayerInputs):
-        raise TypeError(
-            "The layers of this model take, as `rotary_pos_emb`, the object ChatGLMModel's forward hands to the "
-            "encoder (LayerInputs: rotary tables, mask and kernel of one forward), not a "
-            f"{type(rotary_pos_emb).__name__}: call the model, or pass on the `rotary_pos_emb` a layer of it was "
-            "called with."
+def as_original_call(hidden_states, attention_mask, rotary_pos_emb):
+    """(attention_mask, rotary_pos_emb) as the original hands them on, from either form: for a module whose forward
+    a tool replaced (forward_replaced). The rotary rows [batch, seq, pairs, (cos, sin)] come from the tables."""
+    if not isinstance(rotary_pos_emb, tuple):
+        return attention_mask, rotary_pos_emb
+    cos, sin, cache_position = rotary_pos_emb[:3]
+    turning = cos.shape[-1] // 2  # the first half of a head's channels turns
+    rows = torch.stack((cos[:, 0, :, 0:turning:2], sin[:, 0, :, 1:turning:2]), dim=-1)
+    return original_mask(attention_mask, cache_position, None, hidden_states.shape[0]), rows
+
+
+def original_mask(mask, cache_position: torch.Tensor, key_length: Optional[int], batch_size: int):
+    """The original's mask (True where a query must NOT look) from the kernel's. With `key_length`, always a tensor
+    [batch, 1, new, keys] (core_attention's call: a function written to it may not take None), causal by cache slot;
+    without, None stays None: the original's "causal prompt, or one new token"."""
+    if mask is not None and mask.dim() == 4:
+        return ~mask if mask.dtype == torch.bool else mask < 0  # a custom additive mask hides with negative values
+    if mask is None and key_length is None:
+        return None
+    keys = mask.shape[-1] if mask is not None else key_length
+    allowed = (torch.arange(keys, device=cache_position.device) <= cache_position[:, None])[None, None]
+    if mask is not None:  # flash's padding mask; a padded query sees every key, as in the original's prompt
+        padding = mask.to(allowed.device) != 0
+        allowed = (allowed & padding[:, None, None, :]) | ~padding[:, None, -cache_position.shape[0]:, None]
+    return ~allowed.expand(batch_size, 1, -1, -1)
+
+
+def kernel_mask(original, new: int, keys: int, device, implementation: str):
+    """The kernel's mask from the original's (True where a query must NOT look; None: causal, the keys ending with
+    the queries), for the eager and sdpa kernels."""
+    if original is not None:
+        return ~original if original.dtype == torch.bool else original
+    if new == 1 or (new == keys and implementation == "sdpa"):
+        return None
+    return torch.ones(new, keys, dtype=torch.bool, device=device).tril_(keys - new)
+
+
+def check_batch_first(hidden_states, attention_mask, rotary_pos_emb):
+    """A call with the original's tensors must be in GLM-4's layout, batch first; ChatGLM2/3's originals were
+    sequence-first, and their tensors would be read wrongly without a word."""
+    batch, seq = hidden_states.shape[:2]
+    fits = rotary_pos_emb.dim() == 4 and rotary_pos_emb.shape[1] == seq and rotary_pos_emb.shape[0] in (1, batch)
+    if attention_mask is not None:
+        fits = fits and attention_mask.shape[0] in (1, batch) and attention_mask.shape[-2] == seq
+    if not fits:
+        raise ValueError(
+            "This layer was called with the original's tensors in another layout: it takes GLM-4's batch-first "
+            "layout, hidden_states [batch, seq, hidden], rotary_pos_emb [batch or 1, seq, rotary_dim / 2, 2] (the "
+            "rows `rotary_pos_emb(seq_length)[position_ids]`), attention_mask None or [batch, 1, seq, keys], True "
+            f"where a query must not look; got hidden_states {list(hidden_states.shape)}, rotary_pos_emb "
+            f"{list(rotary_pos_emb.shape)}, attention_mask "
+            f"{None if attention_mask is None else list(attention_mask.shape)}. ChatGLM2/3's original code was "
+            "sequence-first ([seq, batch, ...]): transpose its tensors, or call the model instead."
         )
-    return rotary_pos_emb
-
-
-def computes_unobserved(module: nn.Module, forward) -> bool:
-    """Whether `module` runs this file's `forward` with nothing watching it: no forward hook and no replaced
-    `forward` (on the instance or its class). accelerate's device hooks wrap our forward without changing what it
-    computes, and count as ours. Tools that hook or replace a module are written to the original's call, so a
-    module they observe gets the original's values; otherwise this file's cheaper ones."""
-    if module._forward_hooks or module._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks:
-        return False
-    bound = module.__dict__["_old_forward"] if "_hf_hook" in module.__dict__ else module.forward
-    return getattr(bound, "__func__", None) is forward
 
 
 class CoreAttention(nn.Module):
     """The attention kernel's call of one layer, a submodule as in the original (`self_attention.core_attention`).
     It holds no weights. forward(query_layer, key_layer, value_layer, attention_mask) -> [batch, seq, heads * dim] is
     the original's contract (GLM-4's layout, batch first): query [batch, heads, seq, dim], key and value [batch,
-    heads, keys, dim] repeated to every query head, attention_mask True where a query must NOT look. SelfAttention
-    calls it so whenever a hook or a replaced forward observes it (optimum-intel's OpenVINO export replaces it), and
-    otherwise with its cheaper values: key and value per group, and the forward's AttentionInputs in the mask's place
-    (the kernel's own mask, None where causality alone masks). Kernels get it as their `module`: it has what they
-    read (`config`, `layer_idx`, `is_causal`, `num_key_value_groups`, `scaling`, `training`) and the original's names.
-    Its class is named after the attention implementation the model was built with, as GLM-4's original names it
-    (SdpaAttention, FlashAttention2 are subclasses; eager is CoreAttention)."""
+    heads, keys, dim] repeated to every query head, attention_mask True where a query must NOT look (None: causal).
+    SelfAttention calls it so where a tool has replaced its forward (optimum-intel's OpenVINO export), and otherwise
+    with this file's values: key and value per group, and a KernelInputs in the mask's place. Kernels get it as
+    their `module`: it has what they read (`config`, `layer_idx`, `is_causal`, `num_key_value_groups`, `scaling`,
+    `training`) and the original's names. Its class is named after the attention implementation the model was built
+    with, as GLM-4's original names it (SdpaAttention, FlashAttention2 are subclasses; eager is CoreAttention)."""
 
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
@@ -1743,34 +1790,22 @@ class CoreAttention(nn.Module):
     hidden_size_per_attention_head = property(lambda self: self.sizes.head_dim)
     hidden_size_per_partition = property(lambda self: self.sizes.num_heads * self.sizes.head_dim)
 
+    @takes_our_values
     def forward(self, query_layer, key_layer, value_layer, attention_mask):
-        dropout = self.attention_dropout.p if self.training else 0.0
-        if isinstance(attention_mask, AttentionInputs):  # this file's call
-            inputs = attention_mask
-            out, weights = attention_function(inputs.implementation)(
-                self, query_layer, key_layer, value_layer, inputs.mask,
-                **{**inputs.kernel_kwargs, "dropout": dropout, "scaling": self.scaling})
-            if inputs.weights is not None:
-                inputs.weights[self.layer_idx] = weights
-        else:  # the original's call (the repeated heads count as groups of one)
-            kernel = eager_attention_forward if self.config._attn_implementation in (None, "eager") else \
-                sdpa_grouped_attention_forward
-            out, _ = kernel(self, query_layer, key_layer, value_layer,
-                            allowed_by_original_mask(attention_mask, query_layer, key_layer),
-                            dropout=dropout, scaling=self.scaling)
+        if isinstance(attention_mask, tuple):  # this file's call (KernelInputs)
+            mask, implementation, kernel_kwargs, attentions = attention_mask
+        else:  # the original's (the repeated heads count as groups of one); flash takes no 4-D mask: sdpa
+            implementation = "eager" if self.config._attn_implementation in (None, "eager") else "sdpa"
+            mask = kernel_mask(attention_mask, query_layer.shape[-2], key_layer.shape[-2], query_layer.device,
+                               implementation)
+            kernel_kwargs, attentions = (), None
+        out, weights = attention_function(implementation)(
+            self, query_layer, key_layer, value_layer, mask,
+            **{**dict(kernel_kwargs), "dropout": self.attention_dropout.p if self.training else 0.0,
+               "scaling": self.scaling})
+        if attentions is not None:
+            attentions[self.layer_idx] = weights
         return out.flatten(2)
-
-
-def allowed_by_original_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> Optional[torch.Tensor]:
-    """The original's mask (True where a query must NOT look; None: causal, the new tokens last) as our kernels
-    take it."""
-    if attention_mask is not None:
-        return ~attention_mask if attention_mask.dtype == torch.bool else attention_mask
-    new, keys = query.shape[-2], key.shape[-2]
-    if new == 1:
-        return None
-    return torch.ones(new, keys, dtype=torch.bool, device=query.device).tril_(keys - new)
-
 
 class SdpaAttention(CoreAttention):
     """core_attention of a model built with attn_implementation="sdpa" (GLM-4's original class name)."""
@@ -1789,11 +1824,10 @@ def core_attention_class(config) -> type:
 
 class SelfAttention(nn.Module):
     """The attention of one layer: forward(hidden_states, attention_mask, rotary_pos_emb, kv_cache=None,
-    use_cache=True) -> (output, kv_cache), the original's contract. What travels in those arguments is this file's
-    where the original's would cost: `rotary_pos_emb` is the forward's LayerInputs (rotary tables, the kernel's mask,
-    the kernel), `kv_cache` the model's Cache object, which the layer writes its keys and values into (the same
-    object comes back; None with use_cache=False). `attention_mask` is the original's mask, for the tools that read
-    it: the kernel's own comes with rotary_pos_emb."""
+    use_cache=True) -> (output, kv_cache), the original's contract, with either form of values ("What travels between
+    the modules"). kv_cache: this file's Cache object, which the layer writes its keys and values into (the same
+    object comes back; None with use_cache=False), or the original's: None (a tensor [1, 2, batch, kv_heads, seq,
+    dim] comes back with use_cache) or the (keys, values) of the earlier tokens (the longer pair comes back)."""
 
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
@@ -1856,20 +1890,48 @@ class SelfAttention(nn.Module):
         query, key = heads.transpose(1, 2).split([s.num_heads, s.num_kv_heads], dim=1)
         return query, key.contiguous(), value.unflatten(-1, (-1, s.head_dim)).transpose(1, 2).contiguous()
 
+    @takes_our_values
     def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True):
-        layer_inputs = checked_layer_inputs(rotary_pos_emb)
-        inputs = layer_inputs.on(hidden_states.device)
-        query, key, value = self.rotated_heads(self.query_key_value(hidden_states), inputs.cos, inputs.sin)
-        if kv_cache is not None:
-            # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
-            key, value = kv_cache.update(key, value, self.layer_idx, {"cache_position": inputs.cache_position})
-        if computes_unobserved(self.core_attention, CoreAttention.forward):
-            context = self.core_attention(query, key, value, inputs)
-        else:  # observed or replaced: the original's values (heads repeated, its mask)
+        if not isinstance(rotary_pos_emb, tuple):  # the original's call
+            attention_mask, rotary_pos_emb = self.from_original(hidden_states, attention_mask, rotary_pos_emb, kv_cache)
+        cos, sin, cache_position, implementation, kernel_kwargs, attentions = rotary_pos_emb
+        query, key, value = self.rotated_heads(self.query_key_value(hidden_states), cos, sin)
+        key, value, kv_cache = self.cached(key, value, kv_cache, use_cache, cache_position)
+        if forward_replaced(self.core_attention):  # a tool's function of the original's contract
             groups = query.shape[1] // key.shape[1]
-            context = self.core_attention(query, repeat_kv(key, groups), repeat_kv(value, groups),
-                                          layer_inputs.blocked(query.device))
-        return self.dense(context), (kv_cache if use_cache else None)
+            context = self.core_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), original_mask(
+                attention_mask, cache_position, key.shape[-2], query.shape[0]))
+        else:
+            context = self.core_attention(query, key, value,
+                                          KernelInputs(attention_mask, implementation, kernel_kwargs, attentions))
+        return self.dense(context), kv_cache
+
+    def cached(self, key, value, kv_cache, use_cache: bool, cache_position):
+        """The keys and values to attend to, and the cache to return (see the class's docstring)."""
+        if isinstance(kv_cache, Cache):
+            # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
+            key, value = kv_cache.update(key, value, self.layer_idx, {"cache_position": cache_position})
+            return key, value, (kv_cache if use_cache else None)
+        if kv_cache is not None:
+            key, value = torch.cat((kv_cache[0], key), dim=2), torch.cat((kv_cache[1], value), dim=2)
+            return key, value, ((key, value) if use_cache else None)
+        return key, value, (torch.stack((key, value))[None] if use_cache else None)
+
+    def from_original(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache):
+        """This file's values from the original's: its rotary rows, its mask (True where a query must NOT look)."""
+        batch, new = hidden_states.shape[:2]
+        if rotary_pos_emb is None:  # the original rotates nothing then
+            rotary_pos_emb = torch.stack((torch.ones(1, new, self.sizes.head_dim // 4), torch.zeros(
+                1, new, self.sizes.head_dim // 4)), -1).to(hidden_states.device)
+        check_batch_first(hidden_states, attention_mask, rotary_pos_emb)
+        past = 0 if kv_cache is None else kv_cache[0].shape[-2] if isinstance(kv_cache, tuple) else \
+            kv_cache.get_seq_length(self.layer_idx)
+        rows = rotary_pos_emb.float()
+        cos, sin = head_tables(rows[..., 0], rows[..., 1], self.sizes.head_dim, hidden_states.dtype)
+        implementation = "eager" if self.config._attn_implementation in (None, "eager") else "sdpa"  # 4-D masks
+        mask = kernel_mask(attention_mask, new, past + new, hidden_states.device, implementation)
+        return mask, LayerInputs(cos, sin, torch.arange(past, past + new, device=hidden_states.device),
+                                 implementation, (), None)
 
 
 # ======================================================================================================================
@@ -1958,9 +2020,12 @@ class GLMBlock(GradientCheckpointingLayer):
         out = norm(hidden_states)
         return out.to(norm.weight.dtype) if self.fp32_residual_connection else out
 
+    @takes_our_values
     def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True):
         normed = self.norm(self.input_layernorm, hidden_states)
         residual = normed if self.apply_residual_connection_post_layernorm else hidden_states
+        if forward_replaced(self.self_attention):
+            attention_mask, rotary_pos_emb = as_original_call(normed, attention_mask, rotary_pos_emb)
         # The attention output is rebound to the sum at once, not kept alive through the MLP (peak memory).
         hidden_states, kv_cache = self.self_attention(normed, attention_mask, rotary_pos_emb, kv_cache=kv_cache,
                                                       use_cache=use_cache)
@@ -1982,9 +2047,11 @@ class GLMTransformer(nn.Module):
     rotary_pos_emb, kv_caches=None, use_cache=True, output_hidden_states=False) -> (hidden_states, presents,
     all_hidden_states, all_self_attentions) and `_get_layer(i)` are the original's contract, and so is each layer's
     call (three positional arguments, `kv_cache=` and `use_cache=` by keyword): a forward written to the original
-    (GPTQModel replaces it so) runs this model unchanged. `kv_caches` is the model's Cache object once per layer,
-    `presents` what the layers give back (that object again); the hidden states of output_hidden_states end with
-    the final norm's output, as in transformers' models; all_self_attentions come from the forward's LayerInputs."""
+    (GPTQModel replaces it so) runs this model unchanged. With this file's values, `kv_caches` is the model's Cache
+    object once per layer and `presents` what the layers give back (that object again); with the original's, the
+    original's presents (one tensor after a prompt, pairs after cached steps). The hidden states of
+    output_hidden_states end with the final norm's output, as in transformers' models; all_self_attentions are what
+    the layers wrote into LayerInputs.attentions (None with the original's values, as in the original)."""
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
@@ -2000,29 +2067,43 @@ class GLMTransformer(nn.Module):
     def _get_layer(self, layer_number: int) -> GLMBlock:
         return self.layers[layer_number]
 
+    @takes_our_values
     def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_caches=None, use_cache=True,
                 output_hidden_states=False):
         presents = () if use_cache else None
         all_hidden_states = () if output_hidden_states else None
-        masks = {}  # the mask on each device that holds layers, copied once
+        placed = None  # the device the mask and rotary inputs are on: copied once per device that holds layers
         for index in range(self.num_layers):
             layer = self._get_layer(index)
             device = execution_device(layer)
             hidden_states = device_boundary(hidden_states, device)
-            if device not in masks:
-                masks[device] = device_boundary(attention_mask, device)
+            if index == 0 or device != placed:
+                attention_mask, rotary_pos_emb = placed_inputs(attention_mask, device), placed_inputs(rotary_pos_emb,
+                                                                                                       device)
+                placed = device
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, kv_cache = layer(hidden_states, masks[device], rotary_pos_emb,
-                                            kv_cache=kv_caches[index] if kv_caches else None, use_cache=use_cache)
+            mask, rotary = attention_mask, rotary_pos_emb
+            if forward_replaced(layer):
+                mask, rotary = as_original_call(hidden_states, mask, rotary)
+            hidden_states, kv_cache = layer(hidden_states, mask, rotary, kv_cache=kv_caches[index] if kv_caches else None,
+                                            use_cache=use_cache)
             if use_cache:
-                presents += (kv_cache,)
+                presents = gathered_presents(presents, kv_cache)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(device_boundary(hidden_states, execution_device(self.final_layernorm)))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        attentions = rotary_pos_emb.attentions(self.num_layers) if isinstance(rotary_pos_emb, LayerInputs) else None
-        return hidden_states, presents, all_hidden_states, attentions
+        weights = rotary_pos_emb[5] if isinstance(rotary_pos_emb, tuple) else None
+        return hidden_states, presents, all_hidden_states, None if weights is None else tuple(weights)
+
+
+def gathered_presents(presents, kv_cache):
+    """The encoder's presents as the original gathers them: a layer's tensor (the original's format after a prompt)
+    concatenated along the layers; a (keys, values) pair, or this file's Cache object, one more item."""
+    if not isinstance(kv_cache, torch.Tensor):
+        return presents + (kv_cache,)
+    return kv_cache if isinstance(presents, tuple) else torch.cat((presents, device_boundary(kv_cache, presents.device)))
 
 
 # ======================================================================================================================
@@ -2332,18 +2413,19 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         inputs_embeds, position_ids, attention_mask = enter_vision(
             self, input_ids, inputs_embeds, images, position_ids, attention_mask, cache, past_length)
         prefix = enter_prefix(self, cache, past_length, inputs_embeds.shape[0], inputs_embeds.shape[1])
-        layer_inputs = self.layer_inputs(prefix, position_ids, attention_mask, inputs_embeds,
-                                         attention_implementation(config, output_attentions), kwargs,
-                                         output_attentions)
-        # The original's call of its encoder, with this file's values where the original's would cost: the rotary
-        # tables, mask and kernel travel as `rotary_pos_emb` (LayerInputs), the Cache object as every layer's cache.
+        mask, layer_inputs = self.layer_inputs(prefix, position_ids, attention_mask, inputs_embeds,
+                                               attention_implementation(config, output_attentions), kwargs,
+                                               output_attentions)
+        # The original's call of its encoder, with this file's values ("Module contracts"): the kernel's mask, the
+        # rotary tables and the kernel as `rotary_pos_emb` (LayerInputs), the Cache object as every layer's cache.
+        rotary = layer_inputs
+        if forward_replaced(self.encoder):  # a tool's encoder forward (GPTQModel's), written to the original
+            mask, rotary = as_original_call(inputs_embeds, mask, layer_inputs)
         kv_caches = None if prefix.cache is None else (prefix.cache,) * self.encoder.num_layers
         hidden_states, _, all_hidden_states, all_attentions = self.encoder(
-            inputs_embeds, layer_inputs.original_mask, rotary_pos_emb=layer_inputs, kv_caches=kv_caches,
-            use_cache=use_cache, output_hidden_states=output_hidden_states,
+            inputs_embeds, mask, rotary_pos_emb=rotary, kv_caches=kv_caches, use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
         )
-        if all_attentions is None:  # (an encoder forward written to the original returns none)
-            all_attentions = layer_inputs.attentions(self.encoder.num_layers)
         if config.fp32_residual_connection:
             hidden_states = hidden_states.to(self.compute_dtype)
         outputs = BaseModelOutputWithPast(
@@ -2361,7 +2443,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
     def embed(self, input_ids, inputs_embeds, attention_mask, past_length):
         """The embeddings of input_ids (or inputs_embeds as given). Values are checked where it costs no device sync
         per decode step: tensors on the CPU, or the prompt."""
-        values_checked = not is_compiling() and (
+        values_checked = not is_tracing() and (
             (input_ids if input_ids is not None else inputs_embeds).device.type == "cpu"
             or (isinstance(past_length, int) and past_length == 0))
         if values_checked:
@@ -2373,8 +2455,9 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         return self.embedding(input_ids)
 
     def layer_inputs(self, prefix: "PrefixEntry", position_ids, attention_mask, inputs_embeds, implementation: str,
-                     kernel_kwargs: dict, output_attentions: bool = False) -> LayerInputs:
-        """Rotary cos/sin, the attention masks and the kernel's arguments for every layer. Query positions are cache
+                     kernel_kwargs: dict, output_attentions: bool = False
+                     ) -> Tuple[Optional[torch.Tensor], LayerInputs]:
+        """The kernel's mask, and the rotary tables and kernel arguments of every layer. Query positions are cache
         slots (after any P-tuning v2 prefix); position ids and a 2-D mask count tokens only."""
         batch_size, query_length = inputs_embeds.shape[:2]
         query_positions = (torch.arange(query_length, device=inputs_embeds.device) + prefix.past_slots)[None]
@@ -2385,27 +2468,27 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         cos, sin = self.rotary_tables(position_ids)
         cache_slots = max_cache_length(prefix.cache) if prefix.cache is not None else None
         key_length = cache_slots or prefix.past_slots + query_length
-        masks = partial(attention_masks, attention_mask=prefix.extend_mask(attention_mask),
-                        query_positions=query_positions, key_length=key_length, batch_size=batch_size,
-                        preallocated=cache_slots is not None, sequence_ids=sequence_ids, prefix=prefix.slots)
-        mask, original_mask = masks(implementation)
+        mask = build_attention_mask(implementation, prefix.extend_mask(attention_mask), query_positions, key_length,
+                                    batch_size=batch_size, preallocated=cache_slots is not None,
+                                    sequence_ids=sequence_ids, prefix=prefix.slots)
         kernel_kwargs = {name: value for name, value in kernel_kwargs.items() if name != "cache_position"}
         if sequence_ids is not None and mask is None and implementation.startswith("flash"):
             kernel_kwargs.update(flash_varlen_kwargs(sequence_ids, position_ids, batch_size))
-        inputs = AttentionInputs(cos, sin, mask, query_positions[0], implementation, kernel_kwargs,
-                                 {} if output_attentions else None)
-        return LayerInputs(inputs, original_mask, lambda: masks("eager")[0], (batch_size, query_length, key_length))
+        attentions = [None] * self.encoder.num_layers if output_attentions else None
+        return mask, LayerInputs(cos, sin, query_positions[0], implementation, tuple(kernel_kwargs.items()),
+                                 attentions)
 
     def rotary_tables(self, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The layers' rotary cos/sin, computed on the rotary module's device (each layer gets them on its own,
-        LayerInputs). Where a hook or a replaced forward observes rotary_pos_emb, it is called as the original calls
-        it, `rotary_pos_emb(seq_length)`, and its table's rows are what the layers turn with."""
+        """The layers' rotary cos/sin, computed on the rotary module's device for the positions in use. A forward a
+        tool put in rotary_pos_emb's place is called as the original calls it, `rotary_pos_emb(seq_length)`, and
+        its table's rows are what the layers turn with."""
         rotary = self.rotary_pos_emb
         position_ids = device_boundary(position_ids, execution_device(rotary))
-        if computes_unobserved(rotary, RotaryEmbedding.forward):
-            return rotary.cos_sin(position_ids, self.compute_dtype)
-        rows = rotary(self.seq_length)[position_ids].float()
-        return rotary.head_tables(rows[..., 0], rows[..., 1], self.compute_dtype)
+        if forward_replaced(rotary):
+            rows = rotary(self.seq_length)[position_ids].float()
+            return head_tables(rows[..., 0], rows[..., 1], rotary.head_dim, self.compute_dtype)
+        cos, sin = rotary(position_ids)
+        return cos.to(self.compute_dtype), sin.to(self.compute_dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -3375,7 +3458,7 @@ def check_target_values(labels, shift_labels, vocab_size: int, ignore_index: int
     """Each target a token id of the vocabulary or `ignore_index` (an id out of range would end in a CUDA device-side
     assert); returns whether no position has a target at all. Values are read with one host sync unless compiling:
     targets come with training forwards, never with decode steps. Both on one device."""
-    if is_compiling():
+    if is_tracing():
         return False
     given = {name: targets for name, targets in (("labels", labels), ("shift_labels", shift_labels))
              if targets is not None}
