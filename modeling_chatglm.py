@@ -60,6 +60,7 @@ import json
 import os
 import re
 import shutil
+import types
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -280,6 +281,11 @@ _MAX_LENGTH_QUERY = (
 # torch 2.5 added scaled_dot_product_attention(enable_gqa=True): key/value groups attend without being expanded.
 # torch 2.4 (GLM-4's own requirements name torch>=2.4.0) has no such argument: an unmasked prompt expands them once.
 _SDPA_HAS_GQA = torch_at_least("2.5")
+
+
+# torch 2.4's dynamo compares no functions by identity, only bound methods by equality; later releases guard the
+# identity of a method's function (a class's forward replaced after compiling is seen) and not that equality.
+_DYNAMO_COMPARES_FUNCTIONS = torch_at_least("2.5")
 
 
 def is_compiling() -> bool:
@@ -1363,21 +1369,20 @@ class KernelInputs(NamedTuple):
     attentions: Optional[list]
 
 
-def takes_our_values(forward):
-    """Marks a forward of this file as computing with the values this file hands over (see above)."""
-    forward.takes_our_values = True
-    return forward
-
-
 def forward_replaced(module: nn.Module) -> bool:
     """Whether a tool has put another forward in place of this file's, on the instance, on its class, or as a module
-    of its own class: then the module is called with the original's values. Read from the forward itself (a marker,
-    not identity with this file's functions: transformers 4.44 to 4.4x execute this file again at every load, and a
-    model loaded before keeps the functions it was built with). Hooks do not count: they only read. accelerate's
-    device hook wraps the forward it found, which decides."""
-    forward = module.__dict__.get("_old_forward") if "_hf_hook" in module.__dict__ else None
-    forward = forward if forward is not None else module.__dict__.get("forward", type(module).forward)
-    return not getattr(getattr(forward, "__func__", forward), "takes_our_values", False)
+    of another class: then the module is called with the original's values. Each class of this file names the
+    forward it computes with (`_own_forward`); the test is identity with what the module's class holds, never with
+    this file's globals (transformers 4.44 to 4.4x execute this file again at every load, and a model loaded before
+    keeps its classes), and never hooks (they only read). accelerate's device hook wraps the forward it found,
+    which decides."""
+    own = getattr(module, "_own_forward", None)
+    if own is None:
+        return True
+    forward = module.__dict__["_old_forward"] if "_hf_hook" in module.__dict__ else module.forward
+    if not isinstance(forward, types.MethodType):  # a function set on the instance
+        return True
+    return forward.__func__ is not own.__func__ if _DYNAMO_COMPARES_FUNCTIONS else forward != own
 
 
 # ======================================================================================================================
@@ -1421,13 +1426,14 @@ class RotaryEmbedding(nn.Module):
         if self.inv_freq.device.type == "cpu":
             self.inv_freq = self.inv_freq.clone()
 
-    @takes_our_values
     def forward(self, max_seq_len, offset: int = 0):
         """The original's call (an int): its table, in inv_freq's dtype, on its device (`offset` is accepted and, as
         in the original, not read). Position ids [batch, seq] instead: `cos_sin` of them, in fp32."""
         if isinstance(max_seq_len, torch.Tensor):
             return self.cos_sin(max_seq_len)
         return self.forward_impl(max_seq_len, self.dim, dtype=self.inv_freq.dtype, device=self.inv_freq.device)
+
+    _own_forward = forward  # the forward this class computes with (forward_replaced)
 
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -1790,7 +1796,6 @@ class CoreAttention(nn.Module):
     hidden_size_per_attention_head = property(lambda self: self.sizes.head_dim)
     hidden_size_per_partition = property(lambda self: self.sizes.num_heads * self.sizes.head_dim)
 
-    @takes_our_values
     def forward(self, query_layer, key_layer, value_layer, attention_mask):
         if isinstance(attention_mask, tuple):  # this file's call (KernelInputs)
             mask, implementation, kernel_kwargs, attentions = attention_mask
@@ -1806,6 +1811,9 @@ class CoreAttention(nn.Module):
         if attentions is not None:
             attentions[self.layer_idx] = weights
         return out.flatten(2)
+
+    _own_forward = forward  # the forward this class computes with (forward_replaced)
+
 
 class SdpaAttention(CoreAttention):
     """core_attention of a model built with attn_implementation="sdpa" (GLM-4's original class name)."""
@@ -1890,7 +1898,6 @@ class SelfAttention(nn.Module):
         query, key = heads.transpose(1, 2).split([s.num_heads, s.num_kv_heads], dim=1)
         return query, key.contiguous(), value.unflatten(-1, (-1, s.head_dim)).transpose(1, 2).contiguous()
 
-    @takes_our_values
     def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True):
         if not isinstance(rotary_pos_emb, tuple):  # the original's call
             attention_mask, rotary_pos_emb = self.from_original(hidden_states, attention_mask, rotary_pos_emb, kv_cache)
@@ -1905,6 +1912,8 @@ class SelfAttention(nn.Module):
             context = self.core_attention(query, key, value,
                                           KernelInputs(attention_mask, implementation, kernel_kwargs, attentions))
         return self.dense(context), kv_cache
+
+    _own_forward = forward  # the forward this class computes with (forward_replaced)
 
     def cached(self, key, value, kv_cache, use_cache: bool, cache_position):
         """The keys and values to attend to, and the cache to return (see the class's docstring)."""
@@ -2020,7 +2029,6 @@ class GLMBlock(GradientCheckpointingLayer):
         out = norm(hidden_states)
         return out.to(norm.weight.dtype) if self.fp32_residual_connection else out
 
-    @takes_our_values
     def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True):
         normed = self.norm(self.input_layernorm, hidden_states)
         residual = normed if self.apply_residual_connection_post_layernorm else hidden_states
@@ -2040,6 +2048,10 @@ class GLMBlock(GradientCheckpointingLayer):
         if not self.training or self.hidden_dropout == 0:  # no operator at all in inference (one less per sublayer)
             return hidden_states
         return F.dropout(hidden_states, p=self.hidden_dropout, training=True)
+
+
+# transformers 5.x wraps a GradientCheckpointingLayer's forward as the class is made: the wrapper is this class's own.
+GLMBlock._own_forward = GLMBlock.forward
 
 
 class GLMTransformer(nn.Module):
@@ -2067,7 +2079,6 @@ class GLMTransformer(nn.Module):
     def _get_layer(self, layer_number: int) -> GLMBlock:
         return self.layers[layer_number]
 
-    @takes_our_values
     def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_caches=None, use_cache=True,
                 output_hidden_states=False):
         presents = () if use_cache else None
@@ -2096,6 +2107,8 @@ class GLMTransformer(nn.Module):
             all_hidden_states += (hidden_states,)
         weights = rotary_pos_emb[5] if isinstance(rotary_pos_emb, tuple) else None
         return hidden_states, presents, all_hidden_states, None if weights is None else tuple(weights)
+
+    _own_forward = forward  # the forward this class computes with (forward_replaced)
 
 
 def gathered_presents(presents, kv_cache):

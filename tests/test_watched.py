@@ -148,7 +148,7 @@ def test_compiled_generation_returns_every_output(tiny_model):
             compile_config._compile_all_devices = True
             model.generation_config.compile_config = compile_config
         else:
-            model.forward = torch.compile(model.forward, backend="eager")
+            model.forward = torch.compile(model.forward, backend="eager", fullgraph=True, dynamic=False)
         with torch.no_grad():
             compiled = model.generate(IDS, attention_mask=PADDING, cache_implementation="static", **kwargs)
     finally:
