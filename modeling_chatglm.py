@@ -18,7 +18,7 @@ Where to change what (section: names):
   the KV cache                  KV cache: `cache_for_forward`, `new_static_cache`, `cached_length` (checks); layers
                                 write only through `kv_cache.update` in SelfAttention
   the KV cache across devices   each layer's keys stay on its device (SelfAttention's update); Devices:
-                                `device_boundary`, and `LayerInputs` (Attention) copies per-layer inputs per device
+                                `device_boundary`, and `placed_inputs` (the encoder copies the layers' inputs per device)
   a device map, or its checks   Devices: `balanced_device_map`, `check_device_map`, `check_devices_exist`
   a new transformers release    Compatibility shims: one flag or function per change, naming the release
   a new THUDM checkpoint        Config, sizes and checks: one row of `CHECKPOINT_VARIANTS` (rotary reading,
@@ -1435,7 +1435,7 @@ class RotaryEmbedding(nn.Module):
 
     _own_forward = forward  # the forward this class computes with (forward_replaced)
 
-    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32
+    def cos_sin(self, position_ids: torch.Tensor, dtype: Optional[torch.dtype] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The rows of `position_ids` [batch, seq] of the original's table, as the layers rotate with them
         (`head_tables`): computed for those positions alone."""
@@ -1476,16 +1476,16 @@ def own_loaded_inv_freq(module, state_dict, prefix, *args):
         state_dict[key] = state_dict[key].clone()
 
 
-def head_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, dtype: torch.dtype
+def head_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, dtype: Optional[torch.dtype] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [batch, seq, pairs] (one angle per turning pair) over a head's whole width: [batch, 1, seq,
-    head_dim]. On the turning channels each value repeats for its pair, sin with the pair's signs (-, +); the other
-    channels pass (cos 1, sin 0). Made once per forward, so that each layer turns its queries and keys in four
-    operators (SelfAttention.rotated_heads)."""
+    head_dim], in `dtype` if given. On the turning channels each value repeats for its pair, sin with the pair's
+    signs (-, +); the other channels pass (cos 1, sin 0). Made once per forward, so that each layer turns its queries
+    and keys in four operators (SelfAttention.rotated_heads)."""
     passing = head_dim - 2 * cos.shape[-1]
-    cos = F.pad(cos.repeat_interleave(2, dim=-1), (0, passing), value=1.0)
-    sin = F.pad(torch.stack((-sin, sin), dim=-1).flatten(-2), (0, passing))
-    return cos[:, None].to(dtype), sin[:, None].to(dtype)
+    cos = F.pad(cos.repeat_interleave(2, dim=-1), (0, passing), value=1.0)[:, None]
+    sin = F.pad(torch.stack((-sin, sin), dim=-1).flatten(-2), (0, passing))[:, None]
+    return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
