@@ -69,10 +69,10 @@ from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Tuple, Union
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from torch.fx._symbolic_trace import is_fx_tracing  # (is_tracing)
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import (
@@ -283,6 +283,12 @@ _MAX_LENGTH_QUERY = (
 _SDPA_HAS_GQA = torch_at_least("2.5")
 
 
+# torch.fx's symbolic tracing flag: is_fx_symbolic_tracing in later releases (their is_fx_tracing warns at each call,
+# as it also answers for torch.export); torch 2.4 has is_fx_tracing alone.
+fx_symbolic_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or \
+    torch.fx._symbolic_trace.is_fx_tracing
+
+
 # torch 2.4's dynamo compares no functions by identity, only bound methods by equality; later releases guard the
 # identity of a method's function (a class's forward replaced after compiling is seen) and not that equality.
 _DYNAMO_COMPARES_FUNCTIONS = torch_at_least("2.5")
@@ -297,7 +303,7 @@ def is_compiling() -> bool:
 def is_tracing() -> bool:
     """Whether torch.compile, torch.jit.trace (OpenVINO's export) or torch.fx (llm-compressor) is tracing: checks and
     shortcuts that read values step aside, as a trace would freeze them or cannot read them."""
-    return is_compiling() or torch.jit.is_tracing() or is_fx_tracing()
+    return is_compiling() or torch.jit.is_tracing() or fx_symbolic_tracing()
 
 
 # torch 2.4's rms_norm is composite: in a half type it rounds the normalised value to the input's dtype and then
@@ -1799,12 +1805,15 @@ class CoreAttention(nn.Module):
     def forward(self, query_layer, key_layer, value_layer, attention_mask):
         if isinstance(attention_mask, tuple):  # this file's call (KernelInputs)
             mask, implementation, kernel_kwargs, attentions = attention_mask
-        else:  # the original's (the repeated heads count as groups of one); flash takes no 4-D mask: sdpa
-            implementation = "eager" if self.config._attn_implementation in (None, "eager") else "sdpa"
+            kernel = attention_function(implementation)
+        else:  # the original's: our kernels, which count the repeated heads as groups of one (transformers' read
+            # num_key_value_groups); flash takes no 4-D mask: sdpa
+            eager = self.config._attn_implementation in (None, "eager")
+            kernel = eager_attention_forward if eager else sdpa_grouped_attention_forward
             mask = kernel_mask(attention_mask, query_layer.shape[-2], key_layer.shape[-2], query_layer.device,
-                               implementation)
+                               "eager" if eager else "sdpa")
             kernel_kwargs, attentions = (), None
-        out, weights = attention_function(implementation)(
+        out, weights = kernel(
             self, query_layer, key_layer, value_layer, mask,
             **{**dict(kernel_kwargs), "dropout": self.attention_dropout.p if self.training else 0.0,
                "scaling": self.scaling})
