@@ -6,8 +6,9 @@
 #   scripts/test.sh                 # the whole matrix (what CI runs); its summary gives each phase's times
 #   scripts/test.sh 5.24.0 -k parity   # one version, extra pytest arguments
 #   scripts/test.sh --quick         # daily work: the newest version, no multi-device / tensor-parallel tests
-#   scripts/test.sh --smoke         # the edit-run loop: the newest version, the tests marked `smoke` (tests/conftest.py):
-#                                   # load, forward, generate, chat, tokenizers, a golden case per family (its time: docs/run-history.md)
+#   scripts/test.sh --smoke         # the edit-run loop: the newest version, the tests marked `smoke` (listed in
+#                                   # tests/conftest.py: load, forward, generate, chat, tokenizers, a golden case per
+#                                   # family; its times: docs/run-history.md)
 #   scripts/test.sh --minimal [VERSION]   # only the core suite in the minimal environment
 #   scripts/test.sh --torch-ends    # only the torch ends (below)
 # The whole matrix also runs the core suite in a minimal environment (.venv-minimal: only torch, transformers,

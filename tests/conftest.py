@@ -93,7 +93,8 @@ SMOKE = {
         "test_stream_chat_yields_growing_prefixes_ending_in_the_chat_answer[glm4]",
         "test_chatglm2_chat_record", "test_chatglm2_stream_chat_record_and_its_follow_up_on_the_cache"),
     "test_tokenizer": (
-        "test_glm4_encode_reproduces_original", "test_glm4_decode_records", "test_glm4_render_then_encode_equals_chat_ids",
+        "test_glm4_encode_reproduces_original", "test_glm4_decode_records",
+        "test_glm4_render_then_encode_equals_chat_ids",
         "test_chatglm3_encode_gives_the_original_ids", "test_chatglm3_decode_records",
         "test_chatglm3_render_then_encode_equals_chat_ids", "test_chatglm2_encode_record"),
 }

@@ -112,7 +112,7 @@ def test_relative_links_reach_a_file_and_heading(page):
     assert not broken, f"{page.name}: broken links: {broken}"
 
 
-# ---- one record of dated runs -----------------------------------------------------------------------------------------
+# ---- one record of dated runs ----------------------------------------------------------------------------------
 # How long a command ran and what it counted are stated in docs/run-history.md only (speed and memory: in
 # docs/speed-and-memory.md, their own dated record); every other page and the scripts' headers point there, so no two
 # places can give different numbers for the same run.
