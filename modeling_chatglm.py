@@ -75,16 +75,7 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
-from transformers.generation import (
-    GenerationMixin,
-    LogitsProcessor,
-    LogitsProcessorList,
-    PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProcessorList
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -206,6 +197,19 @@ _HAS_ACTIVATION_CHECKPOINTING = hasattr(PreTrainedModel, "activation_checkpointi
 
 # 4.44 and 4.45 have no generic GenerationMixin.prepare_inputs_for_generation (the 4.44 one only raises).
 _HAS_GENERIC_PREPARE_INPUTS = transformers_at_least("4.46")
+
+
+# 4.44 builds the sampling warpers (temperature, top-k, top-p, min-p, typical-p, ...) apart (_get_logits_warper), and
+# generate() applies them after the logits processors to the logits in the model's dtype; 4.45 builds them into
+# _get_logits_processor and processes float32 logits. stream_generate() does as the release's generate().
+_WARPERS_APART = not transformers_at_least("4.45")
+
+
+def release_logits_processors(model, config, device, **kwargs) -> LogitsProcessorList:
+    processors = model._get_logits_processor(generation_config=config, device=device, **kwargs)
+    if _WARPERS_APART and config.do_sample:
+        processors.extend(model._get_logits_warper(config, device=device))
+    return processors
 
 
 # 4.51 moved each step's logits to the device of generate()'s ids itself; 4.44 to 4.50 use
@@ -3240,12 +3244,11 @@ class ChatMixin:
         stop_ids = chat.stop_ids(tokenizer)
         prompt_length = inputs["input_ids"].shape[1]
         response, shown = "", None
-        for step in self.stream_generate(
+        for ids, past_key_values in self.stream_generate(
             **inputs, past_key_values=past_key_values, eos_token_id=stop_ids, return_past_key_values=True,
             max_length=max_length, do_sample=do_sample, top_p=top_p, temperature=temperature,
             logits_processor=guarded(logits_processor), **kwargs,
         ):
-            ids, past_key_values = step
             text = tokenizer.decode(answer_ids(ids[0], prompt_length, stop_ids))
             if text and not text.endswith("\ufffd"):  # a character still incomplete waits for its next bytes
                 response, new_history = chat.reply(self, text, history, query, role)
@@ -3287,16 +3290,17 @@ class ChatMixin:
     @torch.inference_mode()
     def stream_generate(self, input_ids, generation_config=None, logits_processor=None, stopping_criteria=None,
                         prefix_allowed_tokens_fn=None, return_past_key_values=False, **kwargs):
-        """Sampling or greedy decoding that yields the ids so far (prompt included) after every new token, with the
-        cache when `return_past_key_values`. Takes generate()'s sampling settings (max_length / max_new_tokens,
-        do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id) and model inputs
-        (attention_mask, position_ids, past_key_values). A prompt that reaches max_length still gets one new token,
-        with a warning, as in the original (generate() refuses it)."""
-        config = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
-        model_inputs = config.update(**kwargs)
+        """Greedy or sampled decoding that yields the ids so far (prompt included) after every new token, with the
+        cache when `return_past_key_values`. Takes generate()'s settings, applied by the processors and stopping
+        criteria generate() builds for them (one that needs another search, `num_beams > 1` say, is refused naming
+        it), and model inputs (attention_mask, position_ids, past_key_values; `tokenizer` for stop_strings). A prompt
+        that reaches max_length still gets one new token, with a warning, as in the original (generate() refuses it)."""
+        config, model_inputs = self._prepare_generation_config(generation_config, **kwargs)
+        check_streamable(config)
         attention_mask = model_inputs.pop("attention_mask", None)
         position_ids = model_inputs.pop("position_ids", None)
         past_key_values = model_inputs.pop("past_key_values", None)
+        tokenizer = model_inputs.pop("tokenizer", None)
         if model_inputs:
             raise ValueError(f"stream_generate() got unexpected arguments: {', '.join(sorted(model_inputs))}.")
         device = execution_device(self.transformer.output_layer) or input_ids.device
@@ -3304,40 +3308,36 @@ class ChatMixin:
         attention_mask = device_boundary(attention_mask, device)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        past_length = self.cached_tokens(past_key_values) if past_key_values is not None else 0
-        if attention_mask.shape[1] == input_ids.shape[1] and past_length:
-            attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], past_length),
-                                        attention_mask], dim=1)
-        max_length = input_ids.shape[1] + config.max_new_tokens if config.max_new_tokens is not None \
-            else config.max_length
-        stop_ids = config.eos_token_id if isinstance(config.eos_token_id, (list, tuple)) else [config.eos_token_id]
-        stop_ids = torch.tensor([i for i in stop_ids if i is not None], device=device)
-        processors = sampling_processors(config, logits_processor, prefix_allowed_tokens_fn)
-        stopping_criteria = stopping_criteria if stopping_criteria is not None else []
-        unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=device)
-        if input_ids.shape[1] >= max_length:  # the original's warning; it generated one token all the same
+        if past_key_values is not None and attention_mask.shape[1] == input_ids.shape[1]:  # the mask covers the cache
+            attention_mask = F.pad(attention_mask, (self.cached_tokens(past_key_values), 0), value=1)
+        if config.max_new_tokens is not None:
+            config.max_length = input_ids.shape[1] + config.max_new_tokens
+        if input_ids.shape[1] >= config.max_length:  # the original's warning; it generated one token all the same
             logger.warning(f"Input length of input_ids is {input_ids.shape[1]}, but `max_length` is set to "
-                           f"{max_length}: one token is generated. Raise max_length, or set max_new_tokens.")
+                           f"{config.max_length}: one token is generated. Raise max_length, or set max_new_tokens.")
+        self._prepare_special_tokens(config, True, device=device)
+        processors = release_logits_processors(
+            self, config, device, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=logits_processor or [],
+            model_kwargs={"attention_mask": attention_mask[:, -input_ids.shape[1]:], "use_cache": True})
+        stopping_criteria = self._get_stopping_criteria(config, stopping_criteria or [], tokenizer=tokenizer)
+        unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=device)
         step_ids = input_ids
-        while True:
+        while unfinished.any():
             outputs = self(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
             past_key_values = returned_cache(outputs)
-            scores = processors(input_ids, outputs.logits[:, -1, :].float())
-            if config.do_sample:
-                next_tokens = torch.multinomial(F.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-            else:
-                next_tokens = scores.argmax(dim=-1)
-            if config.pad_token_id is not None:  # finished rows keep padding
-                next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, config.pad_token_id))
+            logits = outputs.logits[:, -1, :]
+            scores = processors(input_ids, logits if _WARPERS_APART else logits.float())
+            next_tokens = torch.multinomial(F.softmax(scores, dim=-1), num_samples=1).squeeze(1) if config.do_sample \
+                else scores.argmax(dim=-1)  # generate()'s choice: the same random numbers give the same tokens
+            if config._pad_token_tensor is not None:  # finished rows keep padding
+                next_tokens = torch.where(unfinished, next_tokens, config._pad_token_tensor)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
             step_ids, position_ids = next_tokens[:, None], None  # positions now follow the attention mask
-            unfinished &= ~torch.isin(next_tokens, stop_ids)
+            unfinished &= ~stopping_criteria(input_ids, scores)
             yield (input_ids, past_key_values) if return_past_key_values else input_ids
-            if not unfinished.any() or input_ids.shape[1] >= max_length \
-                    or any(bool(torch.all(c(input_ids, scores))) for c in stopping_criteria):
-                break
 
     def cached_tokens(self, cache) -> int:
         """Tokens a cache holds, without the P-tuning v2 prefix slots (an attention mask covers tokens only)."""
@@ -3401,22 +3401,21 @@ def answer_ids(ids: torch.Tensor, prompt_length: int, stop_ids: list) -> list:
     return answer[:-1] if answer and answer[-1] in stop_ids else answer
 
 
-def sampling_processors(config, logits_processor, prefix_allowed_tokens_fn) -> LogitsProcessorList:
-    """The logits processors stream_generate applies, in generate()'s order: the caller's, then penalties and
-    constraints, then the sampling warpers."""
-    processors = LogitsProcessorList(logits_processor or [])
-    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
-    if prefix_allowed_tokens_fn is not None:
-        processors.append(PrefixConstrainedLogitsProcessor(prefix_allowed_tokens_fn, config.num_beams or 1))
-    if config.do_sample:
-        if config.temperature is not None and config.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k:
-            processors.append(TopKLogitsWarper(config.top_k))
-        if config.top_p is not None and config.top_p < 1.0:
-            processors.append(TopPLogitsWarper(config.top_p))
-    return processors
+# Settings that make generate() search otherwise than a token at a time (GenerationConfig.get_generation_mode), or
+# return more than stream_generate() yields (one sequence per prompt row).
+UNSTREAMABLE = ("num_beams", "num_beam_groups", "penalty_alpha", "constraints", "force_words_ids", "dola_layers",
+                "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "num_return_sequences",
+                "return_dict_in_generate")
+
+
+def check_streamable(config):
+    named = [f"{name}={getattr(config, name)!r}" for name in UNSTREAMABLE
+             if getattr(config, name, None) not in (None, False, 0, 1)]
+    if config.get_generation_mode() not in ("greedy_search", "sample") or (config.num_return_sequences or 1) > 1 \
+            or config.return_dict_in_generate:
+        raise ValueError(f"stream_chat() / stream_generate() cannot apply {', '.join(named)}: they yield one "
+                         "sequence as it grows, a token at a time (greedy, or sampled with do_sample=True). Use "
+                         "chat() / generate() for it.")
 
 
 QUANTIZATION_WIDTHS = (4, 8)

@@ -6,8 +6,9 @@
 # the pinned matrix (torch beside the newest torch end of scripts/test.sh) and beside the registry's newest, then what
 # broke. Exits non-zero on a break, or when something was installed older than the registry's newest (a pip cap).
 # Not part of CI, which stays on the pinned matrix (scripts/test.sh). Run it at the start of every day of work.
-#   scripts/canary.sh                 # about 5 minutes on 2 cores, plus the downloads of new releases
+#   scripts/canary.sh                 # about the quick run's time, plus the downloads of new releases
 #   scripts/canary.sh -k cache_use    # extra pytest arguments
+# Record each run in docs/run-history.md (the canary).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export CHATGLM_VENV="${CHATGLM_CANARY_VENV:-$ROOT/.venv-canary}" CHATGLM_TORCH=newest

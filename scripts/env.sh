@@ -6,7 +6,8 @@
 # CHATGLM_TORCH=VERSION: another torch release, in its own environment .venv-torchMAJOR.MINOR (the torch ends of
 #        scripts/test.sh); `newest`: the newest torch on the registry (scripts/canary.sh, in its own environment).
 # CHATGLM_SETUP=demo (scripts/demo.sh): only the six dependencies (torch, transformers, accelerate, safetensors,
-#        sentencepiece, tiktoken); otherwise also what the tests need (scripts/test.sh, on the same .venv).
+#        sentencepiece, tiktoken); smoke (scripts/test.sh --smoke): those and the test runner; otherwise also what
+#        the tests of optional features and the recipes need (scripts/test.sh, on the same .venv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEFAULT_TORCH="2.13.0"
@@ -36,7 +37,9 @@ if [ "$TORCH" != "$DEFAULT_TORCH" ]; then
   [ "$TORCH" = newest ] && : >"$CONSTRAINTS" || echo "torch==$TORCH" >"$CONSTRAINTS"
 fi
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
-torch_version() { "$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true; }
+# Versions are read from the installed metadata: importing torch only to read its version cost seconds per check.
+installed_version() { "$PY" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]).split("+")[0])' "$1" 2>/dev/null || true; }
+torch_version() { installed_version torch; }
 case "$TORCH" in
   "$DEFAULT_TORCH") TORCH_DOWNLOAD="the CPU wheel, about 200 MB to download on a first run" ;;
   newest) TORCH_DOWNLOAD="the newest on the registry: a CUDA build, about 3 GB with its nvidia-* packages" ;;
@@ -55,6 +58,7 @@ fi
 PACKAGES=(accelerate safetensors sentencepiece tiktoken)
 OPTIONAL=1
 if [ "${CHATGLM_SETUP:-}" = demo ]; then OPTIONAL=0; else PACKAGES+=(pytest hypothesis); fi
+if [ "${CHATGLM_SETUP:-}" = smoke ]; then OPTIONAL=0; fi  # the smoke tests use no optional feature
 if [ "${CHATGLM_MINIMAL:-0}" = 1 ]; then OPTIONAL=0; fi
 read -ra MISSING <<<"$("$PY" -c 'import importlib.util as u, sys
 print(" ".join(name for name in sys.argv[1:] if u.find_spec(name) is None))' "${PACKAGES[@]}")"
@@ -88,7 +92,7 @@ companion_pins() {
 # use_transformers VERSION: swap the transformers release in the venv (its own tokenizers/huggingface-hub follow).
 use_transformers() {
   local want="$1" have
-  have="$("$PY" -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)"
+  have="$(installed_version transformers)"
   if [ "$have" != "$want" ]; then
     setup_step "installing transformers $want${have:+ (replacing $have)}"
     pip_install "transformers==$want"

@@ -9,8 +9,8 @@
 #   full         the same model, every other section (docs/speed-and-memory.md: Speed on a GPU)
 #   boundaries   tools/gpu_check.py: models split over cpu and cuda:0 against one device, fp32 and bf16
 # Logs and JSON go to $OUT (the device tool's folder) or out/gpu.
-#   bash scripts/gpu_checks.sh                            # everything: about 17 minutes on one H100
-#   PARTS="int4_check int4 decode" bash scripts/gpu_checks.sh   # issue 38's rows: about 8 minutes
+#   bash scripts/gpu_checks.sh                            # everything (times per part: docs/run-history.md)
+#   PARTS="int4_check int4 decode" bash scripts/gpu_checks.sh   # issue 38's rows
 #   BENCHMARK_ARGS="--rounds 5" bash scripts/gpu_checks.sh
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -2,8 +2,8 @@
 # Decode speed against llama.cpp on the CPU, on demand (not run by CI or scripts/test.sh): runs
 # benchmarks/llamacpp_benchmark.py (see its --help) with the remaining arguments, in the llama.cpp environment that
 # scripts/engines.sh builds (.venv-engines/llama: transformers + llama-cpp-python built from its sdist, whose vendored
-# llama.cpp gives convert_hf_to_gguf.py). Run `bash scripts/engines.sh` once first: it builds that environment (about
-# half an hour on 2 cores). CHATGLM_ENGINES_DIR points at another .venv-engines. E.g.
+# llama.cpp gives convert_hf_to_gguf.py). Run `bash scripts/engines.sh` once first: it builds that environment (its
+# time: docs/run-history.md). CHATGLM_ENGINES_DIR points at another .venv-engines. E.g.
 #   scripts/llamacpp_benchmark.sh                      scripts/llamacpp_benchmark.sh --threads 1 --classes int4
 #   scripts/llamacpp_benchmark.sh --workdir /tmp/l44   (keeps the checkpoint and GGUFs for the next run)
 set -euo pipefail

@@ -6,6 +6,9 @@
 #   scripts/test.sh                 # the whole matrix (what CI runs); its summary gives each phase's times
 #   scripts/test.sh 5.24.0 -k parity   # one version, extra pytest arguments
 #   scripts/test.sh --quick         # daily work: the newest version, no multi-device / tensor-parallel tests
+#   scripts/test.sh --smoke         # the edit-run loop: the newest version, the tests marked `smoke` (listed in
+#                                   # tests/conftest.py: load, forward, generate, chat, tokenizers, a golden case per
+#                                   # family; its times: docs/run-history.md)
 #   scripts/test.sh --minimal [VERSION]   # only the core suite in the minimal environment
 #   scripts/test.sh --torch-ends    # only the torch ends (below)
 # The whole matrix also runs the core suite in a minimal environment (.venv-minimal: only torch, transformers,
@@ -41,6 +44,10 @@ elif [ $# -gt 0 ]; then
   MINIMAL=(); TORCH_ENDS=(); LANES=1  # a version or --quick: the full environment only
 fi
 if [ $# -gt 0 ] && [ "$1" = "--quick" ]; then shift; set -- "$NEWEST" -m "not matrix_ends and not multi_device" "$@"; fi
+if [ $# -gt 0 ] && [ "$1" = "--smoke" ]; then
+  shift; set -- "$NEWEST" -m smoke "$@"
+  export CHATGLM_SETUP=smoke  # scripts/env.sh: no optional packages to check or install
+fi
 if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+\.[0-9]+ ]]; then MATRIX=("$1"); shift; fi
 REPORTS="$(mktemp -d)"
 START=$SECONDS

@@ -12,7 +12,7 @@
 #              optimum-intel installed without its torchvision requirement (the registry's torchvision pulls CUDA
 #              libraries; the text export does not use it)
 #   gptq/      transformers 5.24.0 and GPTQModel (7.6.0: the newest release that accepts torch 2.13)
-# First run: a few minutes of downloads; the checks themselves take minutes on 2 cores.
+# The first run downloads the tools and compiles GPTQModel's extension; times in docs/run-history.md.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ENVS="$ROOT/.venv-tools"

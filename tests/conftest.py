@@ -68,7 +68,48 @@ RELEASE_INDEPENDENT = {
 }
 
 
+# The smoke tier (`scripts/test.sh --smoke`, `-m smoke`): the edit-run loop's few tests, under 2 minutes on 2 cores
+# (docs/run-history.md): load, forward, generate, chat() and stream_chat(), the tokenizers, and a golden case of the
+# original code per family (GLM-4, ChatGLM3, ChatGLM2, GLM-4V). A name with [parameters] marks that case only, a bare
+# name every case. tests/test_docs.py checks the golden case per family; a name no test has stops the run.
+SMOKE = {
+    "test_loading": (
+        "test_original_checkpoint_loads_with_no_missing_or_unexpected_keys[glm4-chat-tiny]",
+        "test_original_checkpoint_loads_with_no_missing_or_unexpected_keys[chatglm3-tiny]",
+        "test_original_checkpoint_loads_with_no_missing_or_unexpected_keys[chatglm2-tiny]",
+        "test_modeling_file_copied_alone_gives_the_golden_numbers[glm4-chat-tiny]"),
+    "test_parity": (
+        "test_single_sequences_match_golden[glm4-chat-tiny-eager]",
+        "test_single_sequences_match_golden[chatglm3-tiny-eager]",
+        "test_single_sequences_match_golden[chatglm2-tiny-eager]",
+        "test_greedy_generation_matches_golden[glm4-chat-tiny]",
+        "test_greedy_generation_matches_golden[chatglm2-tiny]"),
+    "test_glm4v": (
+        "test_original_checkpoint_loads_with_every_key", "test_forward_with_an_image_matches_golden[eager]",
+        "test_greedy_generation_matches_golden[glm4v-tiny-text]"),
+    "test_cache_use": ("test_generate_feeds_one_position_per_step[dynamic-glm4]",),
+    "test_chat": (
+        "test_greedy_chat_equals_decoding_generate_on_the_documented_prompt",
+        "test_stream_chat_yields_growing_prefixes_ending_in_the_chat_answer[glm4]",
+        "test_chatglm2_chat_record", "test_chatglm2_stream_chat_record_and_its_follow_up_on_the_cache"),
+    "test_tokenizer": (
+        "test_glm4_encode_reproduces_original", "test_glm4_decode_records",
+        "test_glm4_render_then_encode_equals_chat_ids",
+        "test_chatglm3_encode_gives_the_original_ids", "test_chatglm3_decode_records",
+        "test_chatglm3_render_then_encode_equals_chat_ids", "test_chatglm2_encode_record"),
+}
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`-m smoke` imports only the modules that hold smoke tests: importing all of them costs about 8 s of CPU."""
+    if config.getoption("markexpr", "") == "smoke" and collection_path.suffix == ".py" and \
+            collection_path.parent == Path(__file__).parent and collection_path.name.startswith("test_"):
+        return collection_path.stem not in SMOKE or None
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
+    smoke_seen = set()
     for item in items:
         module = item.module.__name__
         if module in MULTI_DEVICE_MODULES:
@@ -76,6 +117,17 @@ def pytest_collection_modifyitems(config, items):
         if module in RELEASE_INDEPENDENT_MODULES or \
                 getattr(item, "originalname", item.name) in RELEASE_INDEPENDENT.get(module, ()):
             item.add_marker(pytest.mark.release_independent)
+        smoke = {item.name, getattr(item, "originalname", item.name)} & set(SMOKE.get(module, ()))
+        if smoke:
+            item.add_marker(pytest.mark.smoke)
+            smoke_seen |= {(module, name) for name in smoke}
+    # A smoke entry that matches no test (renamed, or its parameters changed) would shrink the tier unseen: where its
+    # module was collected whole (no test named on the command line), the entry must have matched.
+    collected = {item.module.__name__ for item in items} if not any("::" in arg for arg in config.args) else set()
+    stale = [f"{module}::{name}" for module, names in SMOKE.items() if module in collected for name in names
+             if (module, name) not in smoke_seen]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py SMOKE names tests that do not exist: {stale}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor
 
 from chatglm_tools import kv_cache
 from conftest import REAL_VOCABULARY, LoggedMessages, optional_package, shared_path
@@ -17,12 +17,16 @@ TOKENIZER = {"chatglm3": "chatglm3_tokenizer", "glm4": "glm4_tokenizer"}
 GREEDY = dict(do_sample=False, max_length=None, max_new_tokens=12)
 
 
+def small_chat_model(tiny_model, family):
+    """A tiny random model whose vocabulary covers the family's real tokenizer."""
+    return tiny_model(family, padded_vocab_size=REAL_VOCABULARY[family], hidden_size=32, num_attention_heads=2,
+                      kv_channels=16, ffn_hidden_size=48, num_layers=2)
+
+
 @pytest.fixture(scope="module", params=["chatglm3", "glm4"])
 def chat_setup(request, tiny_model):
     family = request.param
-    model = tiny_model(family, padded_vocab_size=REAL_VOCABULARY[family], hidden_size=32, num_attention_heads=2,
-                       kv_channels=16, ffn_hidden_size=48, num_layers=2)
-    return family, model, request.getfixturevalue(TOKENIZER[family])
+    return family, small_chat_model(tiny_model, family), request.getfixturevalue(TOKENIZER[family])
 
 
 def stop_ids(tokenizer):
@@ -440,8 +444,7 @@ def test_chatglm3_folder_keeps_chatglm3s_chat(tiny_model, tmp_path, monkeypatch)
     folder = make_tokenizer_folder(tmp_path / "chatglm3-6b", "chatglm3")
     shutil.copy(shared_path("configs", "chatglm3-6b", "config.json"), folder / "config.json")
     tokenizer = load_tokenizer(folder)
-    model = tiny_model("chatglm3", padded_vocab_size=REAL_VOCABULARY["chatglm3"], hidden_size=32,
-                       num_attention_heads=2, kv_channels=16, ffn_hidden_size=48, num_layers=2)
+    model = small_chat_model(tiny_model, "chatglm3")
     calls = recorded_calls(monkeypatch, model, "generate")
     _, history = model.chat(tokenizer, "你好", history=[], **GREEDY)
     sent = calls[0]["kwargs"]["input_ids"].tolist()
@@ -469,8 +472,7 @@ TEMPLATES = {
 
 @pytest.fixture(scope="module")
 def glm4_chat_model(tiny_model):
-    return tiny_model("glm4", padded_vocab_size=REAL_VOCABULARY["glm4"], hidden_size=32, num_attention_heads=2,
-                      kv_channels=16, ffn_hidden_size=48, num_layers=2)
+    return small_chat_model(tiny_model, "glm4")
 
 
 def rendered(tokenizer, messages, add_generation_prompt=False):
@@ -538,6 +540,84 @@ def test_stream_chat_past_max_length_gives_one_token_as_the_original(chat_kind, 
     assert any(f"Input length of input_ids is {prompt}, but `max_length` is set to 3" in m for m in log.messages)
     with pytest.raises(ValueError, match=rf"Input length of input_ids is {prompt}, but `max_length` is set to 3"):
         model.chat(tokenizer, "hi", history=[], max_length=3, do_sample=False)
+
+
+# ---- stream_chat applies every generation setting chat() (generate()) applies ----
+
+
+@pytest.fixture(scope="module", params=["chatglm3", "glm4", "chatglm2"])
+def each_chat_format(request, tiny_model):
+    """(model, tokenizer, a stop id of its chat) for ChatGLM3's and GLM-4's role messages and ChatGLM2's rounds."""
+    if request.param == "chatglm2":
+        model, tokenizer = request.getfixturevalue("chatglm2_chat")
+        return model, tokenizer, tokenizer.eos_token_id
+    model = request.getfixturevalue("glm4_chat_model") if request.param == "glm4" \
+        else small_chat_model(tiny_model, request.param)
+    tokenizer = request.getfixturevalue(TOKENIZER[request.param])
+    return model, tokenizer, tokenizer.get_command("<|observation|>")
+
+
+class EndAt(LogitsProcessor):
+    """Leaves `token` the only choice once the ids reach `length`."""
+
+    def __init__(self, length: int, token: int):
+        self.length, self.token = length, token
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] >= self.length:
+            scores[:, :self.token] = scores[:, self.token + 1:] = -float("inf")
+        return scores
+
+
+SAMPLED, SHORT_GREEDY = dict(max_length=None, max_new_tokens=8), dict(GREEDY, max_new_tokens=8)
+REPEATING = dict(SHORT_GREEDY, repetition_penalty=0.01)  # below 1: the tokens seen so far come back
+# setting: (the call's other settings, (prompt length, the answer's ids without the setting, a stop id) -> the setting).
+# Each changes the tiny models' answer with SEED (asserted); the sampled ones keep chat()'s top_p and temperature.
+SETTINGS = {
+    "no_repeat_ngram_size": (REPEATING, lambda prompt, answer, stop: dict(no_repeat_ngram_size=2)),
+    "min_p": (SAMPLED, lambda prompt, answer, stop: dict(min_p=0.9)),
+    "typical_p": (SAMPLED, lambda prompt, answer, stop: dict(typical_p=0.2)),
+    "bad_words_ids": (SHORT_GREEDY, lambda prompt, answer, stop: dict(bad_words_ids=[[answer[1]]])),
+    "suppress_tokens": (SHORT_GREEDY, lambda prompt, answer, stop: dict(suppress_tokens=answer[:2])),
+    "repetition_penalty": (SHORT_GREEDY, lambda prompt, answer, stop: dict(repetition_penalty=0.01)),
+    "top_k": (SAMPLED, lambda prompt, answer, stop: dict(top_k=2)),
+    "top_p": (SAMPLED, lambda prompt, answer, stop: dict(top_p=0.1)),
+    "temperature": (SAMPLED, lambda prompt, answer, stop: dict(temperature=0.1)),
+    "max_new_tokens": (SHORT_GREEDY, lambda prompt, answer, stop: dict(max_new_tokens=3)),
+    "max_length": (SHORT_GREEDY, lambda prompt, answer, stop: dict(max_new_tokens=None, max_length=prompt + 3)),
+    "eos": (SHORT_GREEDY, lambda prompt, answer, stop: dict(logits_processor=[EndAt(prompt + 3, stop)])),
+}
+SEED = 3
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_stream_chat_ends_in_chats_answer_with_each_setting(each_chat_format, setting, monkeypatch):
+    """stream_chat sampled with five processors of its own: no_repeat_ngram_size, min_p, typical_p, bad_words_ids
+    and suppress_tokens were taken and ignored. With the same settings and seed its last answer is chat()'s."""
+    model, tokenizer, stop = each_chat_format
+    others, choose = SETTINGS[setting]
+    calls = recorded_calls(monkeypatch, model, "generate")
+    torch.manual_seed(SEED)
+    without = model.chat(tokenizer, "写一首诗", history=[], **others)
+    prompt = calls[0]["kwargs"]["input_ids"].shape[1]
+    settings = dict(others, **choose(prompt, calls[0]["result"][0, prompt:].tolist(), stop))
+    torch.manual_seed(SEED)
+    expected = model.chat(tokenizer, "写一首诗", history=[], **settings)
+    assert expected != without, f"{setting} does not change this answer: the test would show nothing"
+    torch.manual_seed(SEED)
+    *_, last = model.stream_chat(tokenizer, "写一首诗", history=[], **settings)
+    assert last == expected
+
+
+@pytest.mark.parametrize("settings, named", [(dict(num_beams=2), "num_beams=2"),
+                                             (dict(num_return_sequences=2), "num_return_sequences=2"),
+                                             (dict(do_sample=False, penalty_alpha=0.6, top_k=4), "penalty_alpha=0.6")])
+def test_stream_chat_refuses_a_setting_it_cannot_apply_naming_it(each_chat_format, settings, named):
+    """num_beams was taken and ignored: the answer streamed was sampled, not the beam search's."""
+    model, tokenizer, _ = each_chat_format
+    with pytest.raises(ValueError, match=rf"stream_chat\(\) / stream_generate\(\) cannot apply {named}.*"
+                                         r"Use chat\(\) / generate\(\)"):
+        next(model.stream_chat(tokenizer, "你好", history=[], **settings))
 
 
 # ---- OpenAI-style content parts ----

@@ -1,12 +1,15 @@
 """The documentation (README.md and docs/*.md) against the repository: every list of the files to copy names the
-installer's files, no text gives another count of them, and every relative link reaches a file and heading that
-exist. Standard library only: it runs in every environment of the matrix, in well under a second."""
+installer's files, no text gives another count of them, every relative link reaches a file and heading that exist,
+times and test counts of runs live in the one dated record (docs/run-history.md), and the smoke tier the docs promise
+holds a golden case of every family. No model is built: it runs in every environment of the matrix, in well under a
+second."""
 import re
 from pathlib import Path
 
 import pytest
 
 from chatglm_tools import CODE_FILES
+from conftest import GLM4V_CASES, GOLDEN_CASES, SMOKE
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
@@ -107,3 +110,62 @@ def test_relative_links_reach_a_file_and_heading(page):
         elif anchor and target.suffix == ".md" and anchor not in anchors(target):
             broken.append(f"{target.relative_to(REPO)}#{anchor}: no such heading")
     assert not broken, f"{page.name}: broken links: {broken}"
+
+
+# ---- one record of dated runs ----------------------------------------------------------------------------------
+# How long a command ran and what it counted are stated in docs/run-history.md only (speed and memory: in
+# docs/speed-and-memory.md, their own dated record); every other page and the scripts' headers point there, so no two
+# places can give different numbers for the same run.
+RECORDS = {"run-history.md", "speed-and-memory.md"}
+TEST_COUNT = re.compile(r"\b\d+ passed\b")
+MINUTES = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?(?:min|minutes|hours?)\b|\b(?:half )?an hour\b")
+SCRIPTS = sorted((REPO / "scripts").glob("*.sh"))
+
+
+def test_the_figure_checks_read_the_phrasings_the_pages_used():
+    """The phrasings the pages gave before there was one record, and what is no run's figure."""
+    assert MINUTES.search("19 min from a fresh clone") and MINUTES.search("about 5 minutes on 2 cores")
+    assert MINUTES.search("first run 3-4 min") and MINUTES.search("in one lane 57 min")
+    assert MINUTES.search("about half an hour for the llama.cpp build")
+    assert TEST_COUNT.search("tests 16 min: 1227 passed, 3 skipped")
+    assert not MINUTES.search("a few minutes") and not MINUTES.search("`matrix: N passed`")
+    assert not TEST_COUNT.search("`matrix: N passed, N failed, N skipped`")
+
+
+@pytest.mark.parametrize("page", [page for page in PAGES if page.name not in RECORDS] + SCRIPTS,
+                         ids=lambda page: page.relative_to(REPO).as_posix())
+def test_run_times_and_test_counts_are_stated_in_the_run_history_only(page):
+    text = page.read_text(encoding="utf-8")
+    if page.suffix == ".sh":  # the comments: a script's header and its notes
+        text = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+    found = MINUTES.findall(text) + TEST_COUNT.findall(text)
+    assert not found, (f"{page.relative_to(REPO)} states {found}: a run's time or test count goes into "
+                       "docs/run-history.md with its date, and this page points to it")
+
+
+# ---- the smoke tier -----------------------------------------------------------------------------------------------
+# README and docs/testing.md promise a golden case of the original code per family in `scripts/test.sh --smoke`.
+# tests/conftest.py stops the collection of a module whose SMOKE entry names no test, so each name here is a test.
+SMOKE_GOLDEN_CASE = {"GLM-4": "glm4-chat-tiny", "ChatGLM3": "chatglm3-tiny", "ChatGLM2": "chatglm2-tiny"}
+
+
+def smoke_golden_tests(module, case=None):
+    """SMOKE's golden tests of a module, of one golden case if named (its parameters start with the case's id)."""
+    found = []
+    for name in SMOKE.get(module, ()):
+        function, _, parameters = name.partition("[")
+        if "golden" in function and (case is None or parameters.rstrip("]") == case
+                                     or parameters.startswith(case + "-")):
+            found.append(name)
+    return found
+
+
+@pytest.mark.parametrize("family", list(SMOKE_GOLDEN_CASE) + ["GLM-4V"])
+def test_the_smoke_tier_holds_a_golden_case_of_every_family(family):
+    if family == "GLM-4V":
+        assert set(GLM4V_CASES) and smoke_golden_tests("test_glm4v"), "SMOKE has no GLM-4V golden test"
+        return
+    case = SMOKE_GOLDEN_CASE[family]
+    assert case in GOLDEN_CASES, f"{case} is no longer a golden case: SMOKE_GOLDEN_CASE names {family}'s"
+    assert smoke_golden_tests("test_parity", case) + smoke_golden_tests("test_loading", case), (
+        f"tests/conftest.py SMOKE has no golden test of {case} ({family})")
