@@ -1796,6 +1796,8 @@ class CoreAttention(nn.Module):
         self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
         # The layer scaling forces the fp32 softmax (eager_attention_forward), as in the original.
         self.attention_softmax_in_fp32 = config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
+        # coeff and norm_factor: the original's attributes (testdata/surface), kept for scripts that read them;
+        # the kernels read `scaling` and the config.
         self.coeff = self.layer_number if self.apply_query_key_layer_scaling else None
         self.norm_factor = self.sizes.head_dim ** 0.5 * (self.coeff or 1)
         self.scaling = self.sizes.head_dim ** -0.5
