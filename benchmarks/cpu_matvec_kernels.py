@@ -108,7 +108,11 @@ def weight_bytes(kind: str, weight) -> int:
 
 
 def compiled(function, **options):
-    """torch.compile of `function` for fixed sizes (one graph per matrix shape, as a static cache gives)."""
+    """torch.compile of `function` for fixed sizes (one graph per matrix shape, as a static cache gives). The fp32 and
+    bf16 routes share a function, and so its recompilations: the limit raised so that no shape runs eagerly."""
+    for limit in ("recompile_limit", "cache_size_limit"):  # (its name until torch 2.6, and after)
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
     return torch.compile(function, dynamic=False, **options)
 
 
