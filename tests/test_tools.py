@@ -598,8 +598,9 @@ def test_cpu_matvec_kernels_benchmark_runs():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     first = result.stdout.splitlines()[0]
     assert "avx2" in first or not Path("/proc/cpuinfo").exists(), first  # present, or named among the missing
-    cells = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    lines = {(cell[0][2:], cell[1]): cell for cell in cells[1:]}  # the header left out
+    cells = [[cell.strip() for cell in line.strip(" |").split("|")] for line in result.stdout.splitlines()
+             if line.startswith("| ") and "---" not in line]
+    lines = {(cell[0], cell[1]): cell for cell in cells[1:]}  # the header left out
     split = "rows split over threads"
     routes = {
         "fp32": ["F.linear (eager)", "torch.mv", f"torch.mv, {split} (use_cpu_packed_weights)",
