@@ -744,14 +744,17 @@ def split_matrix_vector(weight: torch.Tensor, row: torch.Tensor, bias: Optional[
     matrix-vector kernel (MKL's sgemv) ran on one thread on an AVX2 AMD EPYC: the same time at 1 and 2 threads, where
     two blocks at once read the weights at 2 threads' bandwidth (docs/speed-and-memory.md)."""
     out = torch.empty(weight.shape[0], dtype=row.dtype, device=row.device)
-    # detached: the other threads do not share the caller's no_grad mode (grad mode is a thread's own)
+    # The other threads do not share the caller's grad and inference modes (each thread has its own): the tensors
+    # detached, the caller's inference mode taken along (an inference tensor takes writes only inside it).
     weight, row, bias = weight.detach(), row.detach(), None if bias is None else bias.detach()
+    inference = torch.is_inference_mode_enabled()
 
     def block(start: int, stop: int):
-        if bias is None:
-            torch.mv(weight[start:stop], row, out=out[start:stop])
-        else:
-            torch.addmv(bias[start:stop], weight[start:stop], row, out=out[start:stop])
+        with torch.inference_mode(inference):
+            if bias is None:
+                torch.mv(weight[start:stop], row, out=out[start:stop])
+            else:
+                torch.addmv(bias[start:stop], weight[start:stop], row, out=out[start:stop])
 
     if not split_rows(weight.shape[0], weight.shape[1] * weight.element_size(), block):
         block(0, weight.shape[0])

@@ -768,12 +768,14 @@ def test_cpu_packed_weights_share_an_fp32_rows_product_over_the_threads_and_leav
         monkeypatch.setattr(companion, "SPLIT_MIN_BYTES", 0)  # the tiny model's layers would stay whole
         monkeypatch.setattr(companion, "SPLIT_ALIGN", 8)
         shared = decode_step_logits(model, ids)
+        with torch.inference_mode():  # the other threads take the caller's mode along
+            assert torch.equal(decode_step_logits(model, ids), shared)
         monkeypatch.setattr(companion, "SPLIT_MIN_BYTES", 2 ** 62)
         whole = decode_step_logits(model, ids)
     finally:
         torch.set_num_threads(threads)
     linears = [m for m in model.modules() if type(m) is companion.OneDnnLinear]
-    assert split == [True] * len(linears) + [False] * len(linears)  # every layer shared out, then none
+    assert split == [True] * 2 * len(linears) + [False] * len(linears)  # every layer shared out (twice), then none
     assert torch.equal(shared, whole)
     expected = decode_step_logits(plain, ids)
     torch.testing.assert_close(shared, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
