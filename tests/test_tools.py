@@ -618,6 +618,10 @@ def test_cpu_matvec_kernels_benchmark_runs():
     timed = [("fp32", "F.linear (eager)"), ("fp32", "torch.mv"),
              ("fp32", "torch.mv, rows split over threads (use_cpu_packed_weights)"), ("bf16", "F.linear (eager)")]
     assert all(float(lines[key][3]) > 0 for key in timed), result.stdout[-3000:]
+    # every torch-kernel route of the model's own paths computes the float product (the others may say "wrong")
+    model_paths = [("bf16", "F.linear (eager)"), ("int8", "_weight_int8pack_mm (int8 checkpoints, quantize(8))"),
+                   ("int4", "_weight_int4pack_mm, groups of 64 (quantize(4))")]
+    assert not any("wrong" in lines[key][3] for key in model_paths), result.stdout[-3000:]
 
 
 @pytest.mark.matrix_ends
