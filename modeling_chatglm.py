@@ -2290,12 +2290,14 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         return packed
 
     def use_cpu_packed_weights(self, enable: bool = True) -> int:
-        """Opt-in for bf16/fp16 decode on a CPU: each float nn.Linear also holds its weight in oneDNN's blocked layout
-        (quantization_chatglm.OneDnnLinear), which calls of up to 32 rows without autograd multiply by; one bf16 row
+        """Opt-in for decode on a CPU (quantization_chatglm.OneDnnLinear). bf16/fp16: each float nn.Linear also holds
+        its weight in oneDNN's blocked layout, which calls of up to 32 rows without autograd multiply by; one bf16 row
         takes torch's matrix-vector kernel instead, and no copy. Both read the weights 1.1-1.2x as fast as the eager
-        product on the benchmark's AVX-512 BF16 CPU, within the dtype's rounding of it (docs/speed-and-memory.md:
-        measured). The copy costs those weights' bytes again; the parameters and the state dict stay as they are.
-        False drops the copies. Returns how many layers take these paths."""
+        product on the benchmark's AVX-512 BF16 CPU, within the dtype's rounding of it; refused where torch has no
+        oneDNN linear for the CPU (AVX2 without AVX-512). fp32: one row's product over blocks of output rows, one
+        per torch thread, no copy (torch's fp32 one-row product ran on one thread on an AVX2 AMD EPYC). See
+        docs/speed-and-memory.md: measured. The parameters and the state dict stay as they are. False drops the
+        copies. Returns how many layers take these paths."""
         return import_companion("quantization_chatglm", self.config).use_cpu_packed_weights(self, enable)
 
     def tensor_parallel(self, mesh_or_size=None):

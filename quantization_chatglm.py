@@ -670,16 +670,20 @@ def use_kernel(model: nn.Module, kernel: str, dtype: torch.dtype) -> int:
     return sum(module.use_kernel(kernel, dtype) for module in model.modules() if isinstance(module, QuantizedLinear))
 
 
-# ---- 16-bit float weights in oneDNN's blocked layout, for a CPU's decode (use_cpu_packed_weights) ----
+# ---- float weights on a CPU's decode (use_cpu_packed_weights): oneDNN's blocked layout for 16 bits, one fp32 row
+# over every thread ----
 
 
 class OneDnnLinear(nn.Linear):
-    """An nn.Linear (the class of each chosen layer swapped in place: same parameters, same state dict) that also holds
-    its bf16/fp16 weight reordered into oneDNN's blocked layout, made at the first call that can use it and again
-    after the weight changes (a move, a load, an optimizer step). Calls of a few rows (decode) on a CPU, without
-    autograd, multiply by it: torch's eager 16-bit matrix-vector product reads a row-major weight at a fraction of
-    the memory bandwidth that the blocked one reaches. A single bf16 row takes torch's matrix-vector kernel instead
-    (matrix_vector), about as fast, with no copy made.
+    """An nn.Linear (the class of each chosen layer swapped in place: same parameters, same state dict) with faster
+    paths for a CPU's decode (calls of a few rows, without autograd):
+      bf16/fp16  its weight also reordered into oneDNN's blocked layout, made at the first call that can use it and
+                 again after the weight changes (a move, a load, an optimizer step): torch's eager 16-bit
+                 matrix-vector product reads a row-major weight at a fraction of the memory bandwidth that the
+                 blocked one reaches. A single bf16 row takes torch's matrix-vector kernel instead (matrix_vector),
+                 about as fast, with no copy made. Where this torch has no oneDNN linear for the CPU, F.linear.
+      fp32       a single row: torch's matrix-vector kernel over blocks of output rows, one per thread
+                 (split_matrix_vector), no copy: on some CPUs torch's fp32 one-row product runs on one thread.
     The copy is not pickled (deepcopy, torch.save)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -687,8 +691,10 @@ class OneDnnLinear(nn.Linear):
         # a step on its generated matrix-vector code was 1.6x slower than a frozen one on the benchmark's model)
         if not self.takes_packed(x) or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
-        if x.numel() == x.shape[-1] and x.dtype == torch.bfloat16:
+        if x.numel() == x.shape[-1] and x.dtype != torch.float16:
             return self.matrix_vector(x)
+        if x.dtype == torch.float32 or not onednn_works():
+            return F.linear(x, self.weight, self.bias)
         weight = self.weight
         packed = self.__dict__.get("onednn")
         if packed is None or packed[1:] != (weight.data_ptr(), weight._version):
@@ -699,23 +705,101 @@ class OneDnnLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn[0], self.bias, "none", [], "")
 
     def matrix_vector(self, x: torch.Tensor) -> torch.Tensor:
-        """One bf16 row (single-sequence decode): torch's matrix-vector kernel on the row-major weight, which reads it
-        as fast as oneDNN's blocked copy does with torch 2.13 (1.1x slower with 2.4) and needs no copy; it
-        accumulates in fp32 as F.linear does, in its own order (docs/speed-and-memory.md: cpu_matvec_kernels.py). Its
-        fp16 kernel is 2-4x slower than the copy's: fp16 rows take the copy."""
+        """One bf16 or fp32 row (single-sequence decode): torch's matrix-vector kernel on the row-major weight. In
+        bf16 it reads the weight as fast as oneDNN's blocked copy does with torch 2.13 (1.1x slower with 2.4) and
+        needs no copy; it accumulates in fp32 as F.linear does, in its own order (docs/speed-and-memory.md:
+        cpu_matvec_kernels.py). Its fp16 kernel is 2-4x slower than the copy's: fp16 rows take the copy. fp32 rows
+        are split over the threads (split_matrix_vector)."""
         row = x.reshape(-1)
-        out = torch.mv(self.weight, row) if self.bias is None else torch.addmv(self.bias, self.weight, row)
+        if x.dtype == torch.float32:
+            out = split_matrix_vector(self.weight, row, self.bias)
+        else:
+            out = torch.mv(self.weight, row) if self.bias is None else torch.addmv(self.bias, self.weight, row)
         return out.reshape(*x.shape[:-1], -1)
 
     def takes_packed(self, x: torch.Tensor) -> bool:
-        return (x.device.type == "cpu" and x.dtype == self.weight.dtype and x.dtype in HALF_TYPES
+        return (x.device.type == "cpu" and x.dtype == self.weight.dtype and x.dtype in PACKED_CPU_TYPES
                 and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and not torch.is_autocast_enabled("cpu"))  # autocast computes F.linear in its own dtype
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state.pop("onednn", None)
         return state
+
+
+PACKED_CPU_TYPES = (torch.float32, *HALF_TYPES)
+# Weight bytes per thread below which split_matrix_vector runs the whole product in the calling thread: handing a
+# block to another thread costs tens of microseconds, the time a core takes to read about 1 MiB of weights.
+SPLIT_MIN_BYTES = 2 ** 21
+# Row blocks start at multiples of this many rows: each row then lies at the alignment it has in the whole weight,
+# and torch's kernel gives it the same sum (bit for bit, on the CPUs measured) as for the whole weight.
+SPLIT_ALIGN = 64
+_SPLIT_POOL = {}  # (process id, workers) -> the thread pool of split_matrix_vector
+
+
+def split_matrix_vector(weight: torch.Tensor, row: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """weight @ row (+ bias) with the output rows shared out over the threads (split_rows). torch's fp32
+    matrix-vector kernel (MKL's sgemv) ran on one thread on an AVX2 AMD EPYC: the same time at 1 and 2 threads, where
+    two blocks at once read the weights at 2 threads' bandwidth (docs/speed-and-memory.md)."""
+    out = torch.empty(weight.shape[0], dtype=row.dtype, device=row.device)
+    # The other threads do not share the caller's grad and inference modes (each thread has its own): the tensors
+    # detached, the caller's inference mode taken along (an inference tensor takes writes only inside it).
+    weight, row, bias = weight.detach(), row.detach(), None if bias is None else bias.detach()
+    inference = torch.is_inference_mode_enabled()
+
+    def block(start: int, stop: int):
+        with torch.inference_mode(inference):
+            if bias is None:
+                torch.mv(weight[start:stop], row, out=out[start:stop])
+            else:
+                torch.addmv(bias[start:stop], weight[start:stop], row, out=out[start:stop])
+
+    if not split_rows(weight.shape[0], weight.shape[1] * weight.element_size(), block):
+        block(0, weight.shape[0])
+    return out
+
+
+def split_rows(rows: int, row_bytes: int, block) -> bool:
+    """Runs block(start, stop) over each of row_blocks(rows, row_bytes), each on its own Python thread (torch
+    releases the GIL inside its kernels), the first in the calling one. Returns False, having run nothing, where
+    there is one block."""
+    blocks = row_blocks(rows, row_bytes)
+    if len(blocks) < 2:
+        return False
+    pool = split_pool(len(blocks) - 1)
+    others = [pool.submit(block, start, stop) for start, stop in blocks[1:]]
+    block(*blocks[0])
+    for other in others:
+        other.result()
+    return True
+
+
+def row_blocks(rows: int, row_bytes: int) -> list:
+    """[(start, stop)]: [0, rows) in one block of rows per torch thread (torch.get_num_threads()), each starting at a
+    multiple of SPLIT_ALIGN; one block where there is one thread or the blocks would be too small to share
+    (SPLIT_MIN_BYTES)."""
+    threads = torch.get_num_threads()
+    per_thread = -(-rows // threads)
+    per_thread = -(-per_thread // SPLIT_ALIGN) * SPLIT_ALIGN
+    if threads < 2 or per_thread >= rows or per_thread * row_bytes < SPLIT_MIN_BYTES:
+        return [(0, rows)]
+    return [(start, min(start + per_thread, rows)) for start in range(0, rows, per_thread)]
+
+
+def split_pool(workers: int):
+    """The worker threads of split_matrix_vector, made on first use, again in a forked child (whose copy has no
+    threads) and for another thread count."""
+    import concurrent.futures
+    import os
+
+    key = (os.getpid(), workers)
+    if key not in _SPLIT_POOL:
+        for stale in list(_SPLIT_POOL):
+            _SPLIT_POOL.pop(stale).shutdown(wait=False)
+        _SPLIT_POOL[key] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="chatglm-rows")
+    return _SPLIT_POOL[key]
 
 
 _ONEDNN_WORKS = []  # [whether torch's oneDNN linear with a prepacked weight gives F.linear's product], found once
@@ -735,7 +819,7 @@ def onednn_works() -> bool:
                 got = torch.ops.mkldnn._linear_pointwise(x, packed, probe.bias, "none", [], "").float()
                 expected = probe(x).float()
             _ONEDNN_WORKS.append(torch.allclose(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item()))
-        except (AttributeError, RuntimeError, NotImplementedError):  # no mkldnn build, no such operator
+        except (AttributeError, RuntimeError, NotImplementedError):  # no mkldnn build, no such operator, no bf16 here
             _ONEDNN_WORKS.append(False)
     return _ONEDNN_WORKS[0]
 
@@ -743,10 +827,12 @@ def onednn_works() -> bool:
 def use_cpu_packed_weights(model: nn.Module, enable: bool = True) -> int:
     """ChatGLMPreTrainedModel.use_cpu_packed_weights: every plain nn.Linear of `model` (the blocks' layers and the
     output layer; not quantized ones) made a OneDnnLinear, or back to nn.Linear (the copies dropped). Returns how
-    many layers are OneDnnLinear now."""
-    if enable and not onednn_works():
+    many layers are OneDnnLinear now. Refused for a 16-bit model where torch has no oneDNN linear on this CPU (its
+    paths would be the eager ones); an fp32 model needs none."""
+    if enable and model.dtype != torch.float32 and not onednn_works():
         raise ValueError(f"use_cpu_packed_weights(): torch {torch.__version__} has no working oneDNN linear with "
-                         "prepacked weights on this CPU (torch.backends.mkldnn, torch.ops.mkldnn._linear_pointwise).")
+                         "prepacked weights on this CPU (torch.backends.mkldnn, torch.ops.mkldnn._linear_pointwise) "
+                         f"for this {model.dtype} model; an fp32 model takes its own path without it.")
     count = 0
     for module in model.modules():
         if enable and type(module) is nn.Linear:

@@ -15,7 +15,8 @@ scripts/engines.sh builds, which scripts/llamacpp_benchmark.sh uses), its prompt
 AMX, llama.cpp 0.3.36's Q8_0/Q4_0 multi-token prompt crashes).
 
 Classes (ours / llama.cpp's):
-  fp32   fp32 weights                                       / F32
+  fp32   fp32 weights; "packed": use_cpu_packed_weights() (one row's products over every thread)
+                                                            / F32
   bf16   bf16 weights, eager; "packed": use_cpu_packed_weights(); "compiled": torch.compile with inductor's freezing
          on a static cache (docs/speed-and-memory.md's recipe; one compilation, before the timed rounds) / F16
   int8   bf16, blocks quantize(8, storage="original") (torch's int8 kernel); "+ packed bf16 head": the bf16 output
@@ -32,6 +33,10 @@ alternating which goes first. "% of copy": the weight bytes a step reads (everyt
 which one row; ours: parameters and packed copies, llama.cpp: the GGUF's tensors) per step time, against a STREAM-like
 copy measured in the same run (benchmarks/model_benchmark.py's memory_bandwidth). ratio = ours / llama.cpp's ms/token:
 <= 1.00 means we are at least as fast.
+
+Kernels (ours only, no llama.cpp needed): benchmarks/cpu_matvec_kernels.py's table on the same model's matrices, in
+the same run: each route tried for a CPU's one-row products (torch's kernels, blocks of rows over threads, inductor's
+generated code and weight-only template, torchao's layouts) with its share of the copy bandwidth.
 
 Deviation of the fast paths (ours only, no llama.cpp needed): each against its exact twin on the same weights, over
 the twin's 64 greedy tokens fed back (teacher forcing): the largest logit difference (absolute, and relative to the
@@ -58,6 +63,7 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 import model_benchmark as mb  # noqa: E402  (sets up tools/ on sys.path, an offline hub and a fresh modules cache)
+import cpu_matvec_kernels  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -162,7 +168,12 @@ def our_variants(fork: Path, kind: str) -> dict:
         return mb.load("fork", fork, dtype, "cpu")
 
     if kind == "fp32":
-        return {"fp32": lambda: load(torch.float32)}
+        def split():  # one row's products over every thread (quantization_chatglm.split_matrix_vector)
+            model = load(torch.float32)
+            model.use_cpu_packed_weights()
+            return model
+
+        return {"fp32": lambda: load(torch.float32), "fp32 packed": split}
     if kind == "bf16":
         def packed():
             model = load(torch.bfloat16)
@@ -327,11 +338,19 @@ def deviation(args, fork: Path, rows: list):
         model.use_quantized_kernel("exact")
         return model
 
+    def packed(dtype):
+        model = mb.load("fork", fork, dtype, "cpu")
+        model.use_cpu_packed_weights()
+        return model
+
     def quantized(bits, head=None):
         model = mb.load("fork", fork, torch.bfloat16, "cpu").quantize(bits, storage="original")
         return model if head is None else model.quantize_output_layer(head)
 
     pairs = []
+    if "fp32" in args.classes:
+        pairs += [("fp32 packed", lambda: packed(torch.float32), "fp32", lambda: mb.load("fork", fork, torch.float32,
+                                                                                       "cpu"))]
     if "int8" in args.classes:
         pairs += [("int8 kernel (bf16)", lambda: quantized(8), "int8 exact path (bf16)", int8_exact),
                   ("int8 + int8 head", lambda: quantized(8, 8), "int8, bf16 head", lambda: quantized(8))]
@@ -384,8 +403,8 @@ def products(row) -> str:
     return f"{row['products_ms']:.1f} ({row['products_copy']:.0%})" if "products_ms" in row else "-"
 
 
-def markdown(speed_rows, deviation_rows, header) -> str:
-    lines = [header, "", "| ours | llama.cpp | threads | ours ms/token (% of copy) | ours, matrix products alone | "
+def markdown(speed_rows, deviation_rows, kernel_rows, header) -> str:
+    lines = [header, "", f"CPU class: {mb.cpu_class()} ({mb.instruction_sets()})", "", "| ours | llama.cpp | threads | ours ms/token (% of copy) | ours, matrix products alone | "
              "llama.cpp ms/token (% of copy) | ratio ours / llama.cpp | MB read per token, ours / llama.cpp |",
              "|---|---|---|---|---|---|---|---|"]
     for row in speed_rows:
@@ -401,6 +420,9 @@ def markdown(speed_rows, deviation_rows, header) -> str:
         lines += [f"| {r['variant']} | {r['reference']} | {r['max_abs']:.3g} ({r['max_rel']:.2%}) | "
                   f"{r['top1_same']}/{r['steps']} | {r['greedy_same_until']}/{r['steps']} tokens |"
                   for r in deviation_rows]
+    if kernel_rows:
+        lines += ["", "Routes to the one-row products (benchmarks/cpu_matvec_kernels.py, the same model's matrices):",
+                  "", cpu_matvec_kernels.HEADER] + [cpu_matvec_kernels.format_row(row) for row in kernel_rows]
     return "\n".join(lines)
 
 
@@ -417,8 +439,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated (both engines)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per line")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed (and compared, for the deviation)")
-    parser.add_argument("--sections", default="speed,deviation", help="speed: against llama.cpp (ours alone "
-                        "without llama_cpp); deviation: the fast paths against their exact twins")
+    parser.add_argument("--sections", default="speed,deviation,kernels", help="speed: against llama.cpp (ours "
+                        "alone without llama_cpp); deviation: the fast paths against their exact twins; kernels: the "
+                        "routes to the one-row products (cpu_matvec_kernels.py)")
     parser.add_argument("--convert", type=Path, default=default_converter(),
                         help="llama.cpp's convert_hf_to_gguf.py (default: the one scripts/engines.sh unpacks)")
     parser.add_argument("--workdir", type=Path, help="where the checkpoint and the GGUFs go (default: temporary, "
@@ -477,16 +500,21 @@ def main(argv=None) -> int:
         header = (f"{time.strftime('%Y-%m-%d')}, random GLM-4-shaped {args.preset} model; {machine}; {version}; "
                   f"copy {copies}; load average at start {load[0]:.1f}; medians of {args.rounds} interleaved rounds")
         print(header, flush=True)
-        speed_rows, deviation_rows = [], []
+        speed_rows, deviation_rows, kernel_rows = [], [], []
         if "speed" in args.sections:
             print(f"decode (ms/token, token 1 to {args.steps + 1}):", flush=True)
             speed(args, fork, ggufs, bandwidth, speed_rows)
         if "deviation" in args.sections:
             print("deviation of the fast paths:", flush=True)
             deviation(args, fork, deviation_rows)
-        print("\n" + markdown(speed_rows, deviation_rows, header))
+        if "kernels" in args.sections:
+            print("routes to the one-row products:\n" + cpu_matvec_kernels.HEADER, flush=True)
+            block, count, head = cpu_matvec_kernels.SHAPES[args.preset]
+            kernel_rows = cpu_matvec_kernels.measure(block * count + [head], args.threads, args.rounds, args.classes)
+        print("\n" + markdown(speed_rows, deviation_rows, kernel_rows, header))
         if args.json:
-            args.json.write_text(json.dumps(dict(header=header, speed=speed_rows, deviation=deviation_rows), indent=1))
+            args.json.write_text(json.dumps(dict(header=header, cpu_class=mb.cpu_class(), speed=speed_rows,
+                                                 deviation=deviation_rows, kernels=kernel_rows), indent=1))
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

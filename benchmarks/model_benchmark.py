@@ -906,15 +906,35 @@ def count_layer_events(events) -> tuple:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+# The x86 instruction sets that decide a CPU's decode kernels (bf16/int8 dot products, AMX tiles); a VM often hides
+# some of what the processor has, so they are read from the flags the guest sees.
+INSTRUCTION_SETS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
+
+
+def instruction_sets() -> str:
+    """The CPU's INSTRUCTION_SETS as the tables name them: 'avx2, avx512f; no avx512_bf16, amx_bf16, ...'; '' where
+    /proc/cpuinfo is not there to read."""
+    with contextlib.suppress(OSError, AttributeError):
+        flags = set(re.search(r"flags\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()).group(1).split())
+        present = [name for name in INSTRUCTION_SETS if name in flags]
+        missing = [name for name in INSTRUCTION_SETS if name not in flags]
+        return "; ".join(filter(None, [", ".join(present), missing and "no " + ", ".join(missing)]))
+    return ""
+
+
+def cpu_class() -> str:
+    """The CPU classes docs/speed-and-memory.md keeps a table for: 'AVX-512/AMX', 'AVX-512', 'AVX2 only'."""
+    sets = instruction_sets().split(";")[0].split(", ")
+    if "amx_bf16" in sets:
+        return "AVX-512/AMX"
+    return "AVX-512" if "avx512f" in sets else "AVX2 only" if "avx2" in sets else "no AVX2"
+
+
 def machine_line(args) -> str:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError, AttributeError):
-        info = Path("/proc/cpuinfo").read_text()
-        cpu = re.search(r"model name\s*:\s*(.+)", info).group(1).strip()
-        flags = set(re.search(r"flags\s*:\s*(.+)", info).group(1).split())
-        # What bounds a bf16 decode on CPU: bf16 dot products (AVX-512 BF16) and AMX tiles, often hidden in a VM.
-        cpu += " (" + ", ".join(f"{'' if flag in flags else 'no '}{name}" for flag, name in
-                                (("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX"))) + ")"
+        cpu = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()).group(1).strip()
+        cpu += f" ({cpu_class()}: {instruction_sets()})"
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"{cpu}, {os.cpu_count()} CPUs"
     return (f"{device}; {torch.get_num_threads()} threads, {args.clock} clock; torch {torch.__version__}, "
             f"transformers {transformers.__version__}, Python {platform.python_version()}")

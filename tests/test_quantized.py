@@ -749,18 +749,53 @@ def test_cpu_packed_weights_give_the_eager_decode_within_rounding_and_change_not
     assert all(type(m) is torch.nn.Linear and "onednn" not in m.__dict__ for m in linears)
 
 
-def test_cpu_packed_weights_leave_fp32_and_training_on_the_plain_product(tiny_model):
+def test_cpu_packed_weights_share_an_fp32_rows_product_over_the_threads_and_leave_training_alone(
+        tiny_model, monkeypatch):
+    """fp32 (no oneDNN needed): one row's product runs over blocks of output rows, one per torch thread, each block
+    on torch's matrix-vector kernel: the same bits as that kernel on the whole weight, within fp32's rounding of the
+    plain model (F.linear); a prompt (many rows) is F.linear's bit for bit; no copy is made. Under autograd: the plain
+    product, the same gradients."""
     model, plain = tiny_model("glm4"), tiny_model("glm4")
-    onednn_or_skip(model)
+    companion = companion_of(model)
     model.use_cpu_packed_weights()
+    split = []
+    split_rows = companion.split_rows
+    monkeypatch.setattr(companion, "split_rows", lambda *args: split.append(split_rows(*args)) or split[-1])
     ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(companion, "SPLIT_MIN_BYTES", 0)  # the tiny model's layers would stay whole
+        monkeypatch.setattr(companion, "SPLIT_ALIGN", 8)
+        shared = decode_step_logits(model, ids)
+        with torch.inference_mode():  # the other threads take the caller's mode along
+            assert torch.equal(decode_step_logits(model, ids), shared)
+        monkeypatch.setattr(companion, "SPLIT_MIN_BYTES", 2 ** 62)
+        whole = decode_step_logits(model, ids)
+    finally:
+        torch.set_num_threads(threads)
+    linears = [m for m in model.modules() if type(m) is companion.OneDnnLinear]
+    assert split == [True] * 2 * len(linears) + [False] * len(linears)  # every layer shared out (twice), then none
+    assert torch.equal(shared, whole)
+    expected = decode_step_logits(plain, ids)
+    torch.testing.assert_close(shared, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
     with torch.no_grad():
-        assert torch.equal(decode_step_logits(model, ids), decode_step_logits(plain, ids))  # fp32: F.linear
-    model.to(torch.bfloat16).train()
-    plain.to(torch.bfloat16).train()
+        assert torch.equal(model(ids).logits, plain(ids).logits)  # 12 rows: F.linear
+    assert not any("onednn" in m.__dict__ for m in linears)
+    monkeypatch.setattr(companion, "SPLIT_MIN_BYTES", 2 ** 20)
+    monkeypatch.setattr(companion, "SPLIT_ALIGN", 64)
+    for rows, row_bytes, count in [(4096, 1024, 2), (130, 2 ** 14, 2), (130, 2 ** 10, 1), (64, 2 ** 20, 1)]:
+        torch.set_num_threads(2)
+        try:
+            got = companion.row_blocks(rows, row_bytes)
+        finally:
+            torch.set_num_threads(threads)
+        assert [start for start, _ in got] == [0] + [stop for _, stop in got[:-1]] and got[-1][1] == rows
+        assert all(start % 64 == 0 for start, _ in got) and len(got) == count, (rows, row_bytes, got)
+    model.train()
+    plain.train()
     for m in (model, plain):
         m(input_ids=ids[:, :1], labels=ids[:, :1]).loss.backward()
-    assert all("onednn" not in m.__dict__ for m in model.modules())  # under autograd: never made
     for (name, a), b in zip(model.named_parameters(), plain.parameters()):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), name
 
@@ -788,10 +823,15 @@ def test_cpu_packed_weights_under_torch_compile_take_the_plain_product(tiny_mode
     assert not any("onednn" in m.__dict__ for m in model.modules())
 
 
-def test_cpu_packed_weights_are_refused_where_torch_has_no_onednn_linear(tiny_model, monkeypatch):
+def test_cpu_packed_weights_are_refused_for_16_bits_where_torch_has_no_onednn_linear(tiny_model, monkeypatch):
+    """An AVX2 CPU without AVX-512: torch's oneDNN linear has no bf16 path there. A 16-bit model is refused (its
+    paths would be the eager ones); an fp32 one takes its own path, which needs no oneDNN."""
     model = tiny_model("glm4")
     monkeypatch.setattr(companion_of(model), "_ONEDNN_WORKS", [False])
-    with pytest.raises(ValueError, match="use_cpu_packed_weights\\(\\): torch .* no working oneDNN linear"):
+    assert model.use_cpu_packed_weights() > 0
+    model.use_cpu_packed_weights(False)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="use_cpu_packed_weights\\(\\): torch .* no working oneDNN linear.*bfloat16"):
         model.use_cpu_packed_weights()
 
 

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -589,15 +590,38 @@ def test_gpu_check_leaves_nothing_behind_when_it_ends_fails_or_is_stopped(tmp_pa
 
 @pytest.mark.matrix_ends
 def test_cpu_matvec_kernels_benchmark_runs():
-    """benchmarks/cpu_matvec_kernels.py --quick: a table line per kernel and thread count, each timed or saying why it
-    was skipped (no timing is asserted); torch.mv and F.linear exist in every supported torch."""
+    """benchmarks/cpu_matvec_kernels.py --quick: the machine line names the CPU's instruction sets; a table line per
+    class, route and thread count, each timed (its product checked against the float one first) or saying why it was
+    skipped (no timing is asserted); torch.mv, F.linear and the split rows exist in every supported torch."""
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_matvec_kernels.py"), "--quick",
                              "--threads", "1"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    lines = {line.split(" | ")[0][2:]: line for line in result.stdout.splitlines() if line.startswith("| ")}
-    assert {"copy", "bf16 F.linear (eager)", "bf16 torch.mv", "int8 _weight_int8pack_mm"} <= set(lines)
-    assert len(lines) == 8  # the header, copy and six kernels
-    assert all(float(lines[name].split(" | ")[2]) > 0 for name in ("bf16 F.linear (eager)", "bf16 torch.mv"))
+    first = result.stdout.splitlines()[0]
+    assert "avx2" in first or not Path("/proc/cpuinfo").exists(), first  # present, or named among the missing
+    cells = [[cell.strip() for cell in line.strip(" |").split("|")] for line in result.stdout.splitlines()
+             if line.startswith("| ") and "---" not in line]
+    lines = {(cell[0], cell[1]): cell for cell in cells[1:]}  # the header left out
+    split = "rows split over threads"
+    routes = {
+        "fp32": ["F.linear (eager)", "torch.mv", f"torch.mv, {split} (use_cpu_packed_weights)",
+                 "compiled one-row product (inductor)"],
+        "bf16": ["F.linear (eager)", "torch.mv (use_cpu_packed_weights, one row)", f"torch.mv, {split}",
+                 "oneDNN blocked copy", "compiled one-row product (inductor, fp32 sums)"],
+        "int8": ["_weight_int8pack_mm (int8 checkpoints, quantize(8))", f"_weight_int8pack_mm, {split}",
+                 "int8 x int8 torch._int_mm (W8A8)", "compiled: codes x scale in the reduction (inductor)",
+                 "compiled: four codes per int32 word (inductor)",
+                 "compiled max-autotune, freezing (inductor's weight-only template)", "torchao int8 weight-only"],
+        "int4": ["_weight_int4pack_mm, groups of 64 (quantize(4))", f"_weight_int4pack_mm, {split}",
+                 "compiled: eight codes per int32 word unpacked in the reduction (inductor)",
+                 "torchao int4 weight-only, CPU layout"]}
+    assert list(lines) == [("copy", "")] + [(kind, route) for kind, names in routes.items() for route in names]
+    timed = [("fp32", "F.linear (eager)"), ("fp32", "torch.mv"),
+             ("fp32", "torch.mv, rows split over threads (use_cpu_packed_weights)"), ("bf16", "F.linear (eager)")]
+    assert all(float(lines[key][3]) > 0 for key in timed), result.stdout[-3000:]
+    # every torch-kernel route of the model's own paths computes the float product (the others may say "wrong")
+    model_paths = [("bf16", "F.linear (eager)"), ("int8", "_weight_int8pack_mm (int8 checkpoints, quantize(8))"),
+                   ("int4", "_weight_int4pack_mm, groups of 64 (quantize(4))")]
+    assert not any("wrong" in lines[key][3] for key in model_paths), result.stdout[-3000:]
 
 
 @pytest.mark.matrix_ends
@@ -630,7 +654,7 @@ def test_llamacpp_benchmark_runs_from_a_clone(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     run = json.loads(numbers.read_text())
     variants = [row["variant"] for row in run["speed"]]
-    every = ["fp32", "bf16 eager", "bf16 packed", "bf16 compiled", "int8", "int8 + packed bf16 head", "int8 + int8 head",
+    every = ["fp32", "fp32 packed", "bf16 eager", "bf16 packed", "bf16 compiled", "int8", "int8 + packed bf16 head", "int8 + int8 head",
              "int4", "int4 + packed bf16 head", "int4 + int8 head", "int4 + int4 head"]
     # the packed lines are skipped, and say so, where torch has no oneDNN linear (use_cpu_packed_weights refuses);
     # the compiled one where inductor cannot compile (no C++ compiler)
@@ -645,9 +669,16 @@ def test_llamacpp_benchmark_runs_from_a_clone(tmp_path):
     measured_llama = importlib.util.find_spec("llama_cpp") is not None and "llama.cpp not measured" not in run["header"]
     assert all(("llama_ms" in row) == measured_llama for row in run["speed"]), run["header"]
     deviation = {row["variant"]: row for row in run["deviation"]}
-    assert list(deviation) == ["int8 kernel (bf16)", "int8 + int8 head", "int4 + int8 head", "int4 + int4 head"]
+    assert list(deviation) == ["fp32 packed", "int8 kernel (bf16)", "int8 + int8 head", "int4 + int8 head",
+                               "int4 + int4 head"]
+    assert deviation["fp32 packed"]["max_rel"] < 1e-5  # fp32's rounding at most (the same kernel, rows shared out)
     assert deviation["int8 kernel (bf16)"]["max_rel"] < 0.05  # bf16's rounding, not another model
     assert all(0 <= row["top1_same"] <= row["steps"] == 8 for row in deviation.values())  # --quick: 8 steps
+    # the routes' table, in the same run, and the CPU class it was measured on
+    assert run["cpu_class"] in ("AVX-512/AMX", "AVX-512", "AVX2 only", "no AVX2")
+    assert f"CPU class: {run['cpu_class']}" in result.stdout
+    routes = {(row["kind"], row["route"]) for row in run["kernels"] if "ms" in row}
+    assert ("fp32", "torch.mv, rows split over threads (use_cpu_packed_weights)") in routes
 
 
 @pytest.mark.matrix_ends
