@@ -515,30 +515,29 @@ def check_fits_in_memory(config: ChatGLMConfig):
 # ---- THUDM checkpoint variants -----------------------------------------------------------------------------------
 # What differs per released checkpoint, one row each. The same literal is in tokenization_chatglm.py (each file must
 # work copied alone, so neither imports it from the other; tests/test_variants.py checks the two are equal). This file
-# reads `rotary` (and `weights` through `weight_storage`), the tokenizer reads `tokenizer` and `chat`. Columns:
+# reads `rotary` and `chat`, the tokenizer reads `tokenizer` and `chat` (a pre-quantized checkpoint says so itself, in
+# config.json's quantization_bit: `weight_storage`). Columns:
 #   rotary     how rope_ratio is read: "base" rotates with the base 10000 * rope_ratio (ChatGLM3, GLM-4),
 #              "positions" divides the positions by rope_ratio with the base 10000 (chatglm2-6b-32k's own code)
 #   tokenizer  "chatglm2" (5 control tokens, build_prompt), "chatglm3" (role tokens), "glm4" (ChatGLM4Tokenizer)
-#   weights    the storage as released: "float", or "int4" / "int8" (config.json's quantization_bit)
 #   chat       "rounds" (ChatGLM2's build_prompt), "roles" (ChatGLM3's build_chat_input), "template" (GLM-4's)
 #   fields     config.json values that only this checkpoint has (evidence when its name is lost); the name itself,
 #              the row's key, is evidence in config.json's _name_or_path and tokenizer_config.json's name_or_path
 # Adding a checkpoint: one row here and in tokenization_chatglm.py, and its golden case (tests/conftest.py).
 CHECKPOINT_VARIANTS = {
-    "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
-    "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", weights="float", chat="rounds",
-                            fields={"rope_ratio": 16}),
-    "chatglm2-6b-int4": dict(rotary="base", tokenizer="chatglm2", weights="int4", chat="rounds", fields={}),
-    "codegeex2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
-    "chatglm3-6b": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "chatglm3-6b-base": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "chatglm3-6b-32k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "chatglm3-6b-128k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "glm-4-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "glm-4-9b-chat": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "glm-4-9b-chat-1m": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "codegeex4-all-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "glm-4v-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
+    "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", chat="rounds", fields={"rope_ratio": 16}),
+    "chatglm2-6b-int4": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
+    "codegeex2-6b": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
+    "chatglm3-6b": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "chatglm3-6b-base": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "chatglm3-6b-32k": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "chatglm3-6b-128k": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "glm-4-9b": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "glm-4-9b-chat": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "glm-4-9b-chat-1m": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "codegeex4-all-9b": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "glm-4v-9b": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
 }
 
 
@@ -578,9 +577,9 @@ def config_file_fields(config) -> dict:
 
 def checkpoint_variant(config) -> Optional[str]:
     """Which THUDM checkpoint `config` describes (a CHECKPOINT_VARIANTS row), or None: `chatglm_variant` when set
-    (written by save_pretrained where it matters, or by hand), else the names (config.json's `_name_or_path`, the
-    folder or Hub id loaded from), else the fields only one checkpoint has. Evidence that contradicts the choice
-    is named in a warning."""
+    (written by save_pretrained where the reading is not the default, or by hand), else the names (config.json's
+    `_name_or_path`, the folder or Hub id loaded from), else the fields only one checkpoint has. Evidence that
+    contradicts the choice is named in a warning."""
     chosen = getattr(config, "chatglm_variant", None)
     if chosen is not None:
         if chosen not in CHECKPOINT_VARIANTS:
@@ -609,13 +608,9 @@ def checkpoint_variant(config) -> Optional[str]:
 
 
 def rotary_reading(config) -> str:
-    """How this checkpoint's rope_ratio is read ("base" or "positions", see CHECKPOINT_VARIANTS). A "positions"
-    checkpoint keeps the fact in config.chatglm_variant, so that save_pretrained (which drops the names) keeps it."""
+    """How this checkpoint's rope_ratio is read ("base" or "positions", see CHECKPOINT_VARIANTS)."""
     variant = checkpoint_variant(config)
-    reading = CHECKPOINT_VARIANTS[variant]["rotary"] if variant else "base"
-    if reading != "base":
-        config.chatglm_variant = variant
-    return reading
+    return CHECKPOINT_VARIANTS[variant]["rotary"] if variant else "base"
 
 
 def weight_storage(config) -> str:
@@ -2154,6 +2149,9 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, which writes the code files it saw imported; the companion files are
         written beside them, so that the saved folder keeps every capability."""
+        variant = checkpoint_variant(self.config)
+        if variant is not None and CHECKPOINT_VARIANTS[variant]["rotary"] != "base":
+            self.config.chatglm_variant = variant  # the names that told the reading are not saved; the variant is
         super().save_pretrained(save_directory, *args, **kwargs)
         if self._auto_class is None or not kwargs.get("is_main_process", True):
             return
