@@ -310,19 +310,22 @@ def stored_dtypes(files: list) -> list:
     return found
 
 
-def check_stored_dtypes(source, kwargs: dict, model) -> bool:
-    """Refuse a checkpoint that stores one of the model's float weights as an integer or bool tensor: transformers
-    casts it to float without a word (4.44 without low_cpu_mem_usage fails on the copy, naming neither dtype nor
-    file), and the logits are far off. Reads the files' headers only; `model` is the loaded model, or a callable
-    building one on the meta device, called only if a stored tensor is not floating. Returns whether the files were
-    on this machine to check (a hub checkpoint is downloaded by from_pretrained itself)."""
+def check_stored_dtypes(source, kwargs: dict, model, config=None) -> bool:
+    """Refuse a checkpoint whose stored dtypes contradict the model: one of its float weights stored as an integer or
+    bool tensor (transformers casts it to float without a word; 4.44 without low_cpu_mem_usage fails on the copy,
+    naming neither dtype nor file), or float weights under a config with `quantization_bit` (an int8 storage loaded
+    all zeros, an int4 one failed on transformers' shapes error, neither naming the field). Reads the files' headers
+    only. `model` is the loaded model, or a callable building one on the meta device, called only if needed; `config`
+    a callable returning its config (with a callable `model`). Returns whether the files were on this machine to check
+    (a hub checkpoint is downloaded by from_pretrained itself)."""
     files = stored_weight_files(source, kwargs)
     if files is None:
         return False
     if kwargs.get("quantization_config") is not None:  # a quantizer's storage is its own
         return True
     stored = stored_dtypes(files)
-    if all(floating for _, _, floating, _ in stored):
+    bits = getattr(model.config if isinstance(model, nn.Module) else config(), "quantization_bit", 0) or 0
+    if all(floating for _, _, floating, _ in stored) and not bits:
         return True
     if not isinstance(model, nn.Module):
         with torch.device("meta"):
@@ -331,16 +334,27 @@ def check_stored_dtypes(source, kwargs: dict, model) -> bool:
         return True
     expected = {name: tensor.dtype for name, tensor in model.state_dict().items()}
     prefix = model.base_model_prefix + "."
+    scales = {name[:-len("_scale")] for name, _, _, _ in stored if name.endswith(".weight_scale")}
     for name, dtype, floating, file in stored:
         for key in (name, name[len(prefix):] if name.startswith(prefix) else prefix + name):
             if key not in expected or floating == expected[key].is_floating_point:
                 continue
-            if floating:  # a float tensor where the model holds integers: transformers' checks apply
+            if floating and not bits:  # a float tensor where the model holds integers: transformers' checks apply
                 continue
+            if floating:
+                raise ValueError(
+                    f"quantization_bit={bits} in the config asks for int{bits} weights (codes and weight_scale, as "
+                    f"the original's quantize() saved them), but {file} stores {name} as {dtype}: the checkpoint "
+                    "holds float weights, which would load as all-zero codes or fail on their shapes. Remove "
+                    f"quantization_bit from config.json to load them, and call model.quantize({bits}) after loading "
+                    "to quantize them."
+                )
+            hint = (" It is pre-quantized: set quantization_bit in config.json to the width it was saved with."
+                    if name in scales else " The checkpoint was saved or edited wrong: save the weights as float "
+                    "(bfloat16, float16 or float32).")
             raise ValueError(
                 f"{name} is stored as {dtype} in {file}; this model's weight is floating point ({expected[key]}), "
-                f"and loading would cast the {dtype} values to it without a word, giving wrong logits. The checkpoint "
-                "was saved or edited wrong: save the weights as float (bfloat16, float16 or float32)."
+                f"and loading would cast the {dtype} values to it without a word, giving wrong logits.{hint}"
             )
     return True
 

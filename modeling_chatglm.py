@@ -31,8 +31,8 @@ Where to change what (section or file: names):
   what this file reads of it    `rotary_reading` (RotaryEmbedding), `weight_storage` (quantization_bit)
   a new config field or check   Config and sizes: `check_supported`, `complete_original_config`, and
                                 configuration_chatglm.py (its fields and validation)
-  checks of a checkpoint or of  checks_chatglm.py: `check_stored_dtypes` (integer storage, file damage),
-  the inputs                    `check_loaded` (keys, NaN, inf), `check_fits_in_memory`,
+  checks of a checkpoint or of  checks_chatglm.py: `check_stored_dtypes` (integer storage, quantization_bit over float
+  the inputs                    weights, file damage), `check_loaded` (keys, NaN, inf), `check_fits_in_memory`,
                                 `check_inputs`, `check_targets`; what calls them: `check_supported`,
                                 ChatGLMPreTrainedModel.from_pretrained, and the thin `check_*` calls of Config and
                                 sizes
@@ -1498,8 +1498,13 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
                 kwargs.get("pre_seq_len") or getattr(config(), "pre_seq_len", None)):
             ptuning(config()).check_prefix_checkpoint(source, config(), kwargs)
         with_info = kwargs.pop("output_loading_info", False)
-        checked = checks is not None and checks.check_stored_dtypes(source, kwargs, lambda: cls(config()))
-        model, info = super().from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
+        checked = checks is not None and checks.check_stored_dtypes(source, kwargs, lambda: cls(config()), config)
+        try:
+            model, info = super().from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
+        except Exception:
+            if checks is not None and not checked:  # downloaded by this call: a storage the config contradicts is named
+                checks.check_stored_dtypes(source, kwargs, lambda: cls(config()), config)
+            raise
         if checks is not None:
             if not checked:
                 checks.check_stored_dtypes(source, kwargs, model)
