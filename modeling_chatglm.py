@@ -1851,6 +1851,7 @@ def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
 # missing, so that this file copied alone still loads and runs).
 COMPANION_FILES = ("parallel_chatglm", "visual", "quantization_chatglm", "ptuning_chatglm", "checks_chatglm")
 _MISSING_COMPANIONS = set()  # optional companions not found (module names): looked for once a process
+CHECKS_MODULE = f"{__package__}.checks_chatglm"
 
 
 def find_companion(name: str, config=None, checkpoint=None, **hub_kwargs) -> Optional[Path]:
@@ -1912,9 +1913,10 @@ def import_companion(name: str, config=None, checkpoint=None, required: bool = T
 
 def load_checks(config=None, checkpoint=None, **hub_kwargs):
     """checks_chatglm.py, the load and input checks; None where this file was copied alone without it: the model then
-    loads and runs without them, which is said once."""
-    if f"{__package__}.checks_chatglm" in _MISSING_COMPANIONS:
-        return None
+    loads and runs without them, which is said once. (Every forward asks: once imported, one dictionary lookup.)"""
+    checks = sys.modules.get(CHECKS_MODULE)
+    if checks is not None or CHECKS_MODULE in _MISSING_COMPANIONS:
+        return checks
     checks = import_companion("checks_chatglm", config, checkpoint, required=False, **hub_kwargs)
     if checks is None:
         logger.warning("checks_chatglm.py is not beside modeling_chatglm.py: the checks of the config's sizes, "
