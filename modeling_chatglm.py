@@ -3,36 +3,41 @@
 Class names, module attribute names and state-dict keys are the original checkpoints' (`transformer.embedding.
 word_embeddings`, `transformer.encoder.layers.N.self_attention.query_key_value`, `transformer.output_layer`, ...), so a
 checkpoint saved by the original code loads with no missing or unexpected key. This file also works copied alone over
-an original checkpoint folder (it reads only the fields the original configuration classes define).
+an original checkpoint folder (it reads only the fields the original configuration classes define): it loads, runs,
+generates and chats; each optional capability lives in a companion file loaded on demand (`COMPANION_FILES`), whose
+absence an error names, and the load and input checks (checks_chatglm.py) are skipped without theirs, said once.
 
-Sections, in order: compatibility shims (each naming the transformers releases that need it); config, sizes and
-checks; devices; KV cache; rotary embedding; attention (kernels, their dispatch, the mask builder, SelfAttention); MLP
-and norms; block and stack; base model; companion files; P-tuning v2 prefix and GLM-4V vision, each entering the base
-model's forward at one seam (`enter_prefix`, `enter_vision`); chat and quantize (a mixin the causal-LM head inherits);
-heads. Every place where a tensor moves to another device goes through `device_boundary(...)`: search for that name to
-list them all. No boundary relies on accelerate's hooks moving a tensor.
+Sections, in order: compatibility shims (each naming the transformers releases that need it); config and sizes;
+devices; KV cache; rotary embedding; attention (kernels, their dispatch, the mask builder, SelfAttention); MLP and
+norms; block and stack; base model; companion files; the seams of P-tuning v2 and GLM-4V into the base model's forward
+(`enter_prefix`, `enter_vision`); chat (a mixin the causal-LM head inherits); heads. Every place where a tensor moves to
+another device goes through `device_boundary(...)`: search for that name to list them all. No boundary relies on
+accelerate's hooks moving a tensor.
 
-Where to change what (section: names):
+Where to change what (section or file: names):
   a new attention kernel        Attention: `attention_function` (dispatch), `build_attention_mask` (the mask it
                                 takes); its `_supports_*` flag on ChatGLMPreTrainedModel
-  the KV cache                  KV cache: `cache_for_forward`, `new_static_cache`, `cached_length` (checks); layers
-                                write only through `kv_cache.update` in SelfAttention
+  the KV cache                  KV cache: `cache_for_forward`, `new_static_cache`; layers write only through
+                                `kv_cache.update` in SelfAttention; checks_chatglm.py: `cached_length` (its checks)
   the KV cache across devices   each layer's keys stay on its device (SelfAttention's update); Devices:
                                 `device_boundary`, and `placed_inputs` (the encoder copies the layers' inputs per device)
-  a device map, or its checks   Devices: `balanced_device_map`, `check_device_map`, `check_devices_exist`
+  a device map, or its checks   checks_chatglm.py: `balanced_device_map`, `check_device_map`, `check_devices_exist`
   a new transformers release    Compatibility shims: one flag or function per change, naming the release
-  a new THUDM checkpoint        Config, sizes and checks: one row of `CHECKPOINT_VARIANTS` (rotary reading,
-                                tokenizer family, weight storage, chat format, identifying fields), the same row in
-                                tokenization_chatglm.py's copy (each file must work copied alone, so the table is
-                                kept twice and tests/test_variants.py checks the copies are equal), and its golden
-                                case in tests/conftest.py's GOLDEN_CASES; which row a config is: `checkpoint_variant`
+  a new THUDM checkpoint        Config and sizes: one row of `CHECKPOINT_VARIANTS` (rotary reading, tokenizer family,
+                                chat format, identifying fields), the same row in tokenization_chatglm.py's copy (each
+                                file must work copied alone, so the table is kept twice and tests/test_variants.py
+                                checks the copies are equal), and its golden case in tests/conftest.py's
+                                GOLDEN_CASES; which row a config is: `checkpoint_variant`
   what this file reads of it    `rotary_reading` (RotaryEmbedding), `weight_storage` (quantization_bit)
-  a new config field or check   Config, sizes and checks: `check_supported`, `complete_original_config`, and
+  a new config field or check   Config and sizes: `check_supported`, `complete_original_config`, and
                                 configuration_chatglm.py (its fields and validation)
-  checks of a loaded checkpoint Config, sizes and checks: `check_loaded_weights` (keys), `check_stored_dtypes`
-                                (integer storage, file damage), `check_finite_weights` (NaN, inf); what calls
-                                them: ChatGLMPreTrainedModel.from_pretrained
-  P-tuning v2 prefixes          P-tuning v2 prefix: `enter_prefix` (the seam), `PrefixEncoder`
+  checks of a checkpoint or of  checks_chatglm.py: `check_stored_dtypes` (integer storage, quantization_bit over float
+  the inputs                    weights, file damage), `check_loaded` (keys, NaN, inf), `check_fits_in_memory`,
+                                `check_inputs`, `check_targets`; what calls them: `check_supported`,
+                                ChatGLMPreTrainedModel.from_pretrained, and the thin `check_*` calls of Config and
+                                sizes
+  P-tuning v2 prefixes          ptuning_chatglm.py (`PrefixEncoder`, its cache, files and checks); here its seam
+                                `enter_prefix` and `prefix_encoder`
   GLM-4V images                 visual.py: `EVA2CLIPModel.splice` (the seam); here `vision_tower`, `enter_vision`
   a chat-template fix           tokenization_chatglm.py (this file only calls the tokenizer); chat() itself:
                                 Chat, `ChatMixin`, `chat_inputs`, `parse_tool_call`
@@ -40,9 +45,9 @@ Where to change what (section: names):
                                 `ChatGLM2Chat`
   loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
   tensor parallelism            parallel_chatglm.py
-  pre-quantized weights (int4)  Config, sizes and checks: `linear_layer` (the one choice); quantization_chatglm.py
-                                (its two kernels, exact and packed: `QuantizedLinear.use_kernel`, chosen after loading
-                                by `use_quantized_kernel`)
+  quantized weights (int4/int8) Config and sizes: `linear_layer` (the one choice); quantization_chatglm.py (its two
+                                kernels, exact and packed: `QuantizedLinear.use_kernel`, chosen after loading by
+                                `use_quantized_kernel`; `quantize`, what model.quantize(bits) runs)
   a name the original objects   the class that has it (`CoreAttention` holds the attention's); ChatGLM2-only
   had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads testdata/surface
   a call between modules        the original's contracts (testdata/surface/*-calls.json, tests/test_contracts.py):
@@ -51,22 +56,22 @@ Where to change what (section: names):
                                 file's own values, `forward_replaced` decides where a module a tool replaced gets the
                                 original's instead
 """
-
 import ast
 import copy
-import importlib
+import importlib.util
 import inspect
 import json
 import os
 import re
 import shutil
+import sys
 import types
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
-from typing import Iterable, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.fx
@@ -381,7 +386,7 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
 
 
 # ======================================================================================================================
-# Config, sizes and checks
+# Config and sizes
 # ======================================================================================================================
 
 
@@ -447,122 +452,32 @@ def parameter_count(config: ChatGLMConfig) -> int:
     return 2 * config.padded_vocab_size * config.hidden_size + config.num_layers * block_parameter_count(config)
 
 
-def validate_config(config: ChatGLMConfig):
-    """Our configuration class checks every field (type and value); the original one, which a user may keep beside
-    this file, checks nothing: then the fields the model is built from are checked here."""
-    validate = getattr(config, "validate_chatglm", None)
-    if callable(validate):
-        validate()
-        return
-    for name in ("num_layers", "padded_vocab_size", "hidden_size", "ffn_hidden_size", "kv_channels",
-                 "num_attention_heads", "multi_query_group_num"):
-        value = getattr(config, name, None)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"config.{name} must be a positive integer, got {value!r} (check config.json).")
-    model_type = getattr(config, "model_type", "chatglm")
-    if model_type != "chatglm" or hasattr(config, "intermediate_size"):
-        raise ValueError(
-            f"This config describes another model family (model_type {model_type!r}), not ChatGLM2/3 or GLM-4: its "
-            "auto_map points at ChatGLM's code by mistake. Load it with its own class."
-        )
-    rope_fields = {name: getattr(config, name, None) for name in ("rope_scaling", "rope_parameters", "rope_theta")}
-    # transformers 5's rope_parameters of the default type (GPTQModel writes it on every config; 5.x reads
-    # rope_scaling as the same field) says nothing rope_ratio does not: its theta is not read.
-    parameters = rope_fields["rope_parameters"]
-    if isinstance(parameters, dict) and parameters.get("rope_type", parameters.get("type")) == "default" and \
-            set(parameters) <= {"rope_type", "type", "rope_theta"}:
-        rope_fields = {name: value for name, value in rope_fields.items() if value is not parameters}
-        theta, base = parameters.get("rope_theta"), 10000 * getattr(config, "rope_ratio", 1)
-        if theta is not None and theta != base:
-            logger.warning_once(f"rope_parameters gives rope_theta={theta!r}, but this model rotates with the base "
-                                f"10000 * rope_ratio = {base!r}, as the original does: rope_theta is not read.")
-    if any(value is not None for value in rope_fields.values()):
-        raise ValueError(
-            f"config has {', '.join(n for n, v in rope_fields.items() if v is not None)}, which ChatGLM/GLM-4 do not "
-            "read: their rotary base is 10000 * rope_ratio. Set rope_ratio instead and remove those fields."
-        )
-
-
-def host_memory_bytes() -> Optional[int]:
-    """Physical memory plus swap of this machine (Linux / macOS), or None where it cannot be read."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            total += sum(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("SwapTotal:"))
-    except OSError:
-        pass
-    return total
-
-
-def memory_for_weights(device: torch.device) -> Optional[int]:
-    """Bytes that weights created on `device` can occupy at most. Weights built on `meta` (from_pretrained) are
-    placed later on any accelerator, the CPU or disk, so all of those count. None: unknown, no check."""
-    host = host_memory_bytes()
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device.index or 0).total_memory
-    if device.type == "meta" and host is not None:
-        accelerators = sum(torch.cuda.get_device_properties(i).total_memory
-                           for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else 0
-        return host + accelerators + shutil.disk_usage(os.getcwd()).free
-    return None
-
-
-def parameter_creation_device() -> torch.device:
-    """Where new parameters go now: the default device, a `with torch.device(...)` block, or `meta` under
-    accelerate's init_empty_weights (which moves each registered parameter)."""
-    probe = nn.Module()
-    probe.register_parameter("probe", nn.Parameter(torch.empty(0)))
-    return probe.probe.device
-
-
-def check_fits_in_memory(config: ChatGLMConfig):
-    """Refuse sizes whose weights cannot fit where they would be created, before any is allocated: otherwise a
-    config with num_layers 1e9 hangs building modules, and one with absurd sizes dies in an out-of-memory error."""
-    device = parameter_creation_device()
-    capacity = memory_for_weights(device)
-    dtype = torch.get_default_dtype()
-    needed = parameter_count(config) * torch.empty(0, dtype=dtype, device="meta").element_size()
-    if capacity is not None and needed > capacity:
-        raise ValueError(
-            f"This config describes a model of {parameter_count(config) / 1e9:,.1f}B parameters "
-            f"({needed / 2 ** 30:,.0f} GiB in {dtype}), more than the {capacity / 2 ** 30:,.0f} GiB available for "
-            f"weights on {device}: check num_layers ({config.num_layers}), hidden_size, ffn_hidden_size and "
-            "padded_vocab_size in config.json, or load with device_map / a smaller dtype."
-        )
-
-
 # ---- THUDM checkpoint variants -----------------------------------------------------------------------------------
 # What differs per released checkpoint, one row each. The same literal is in tokenization_chatglm.py (each file must
 # work copied alone, so neither imports it from the other; tests/test_variants.py checks the two are equal). This file
-# reads `rotary` (and `weights` through `weight_storage`), the tokenizer reads `tokenizer` and `chat`. Columns:
+# reads `rotary` and `chat`, the tokenizer reads `tokenizer` and `chat` (a pre-quantized checkpoint says so itself, in
+# config.json's quantization_bit: `weight_storage`). Columns:
 #   rotary     how rope_ratio is read: "base" rotates with the base 10000 * rope_ratio (ChatGLM3, GLM-4),
 #              "positions" divides the positions by rope_ratio with the base 10000 (chatglm2-6b-32k's own code)
 #   tokenizer  "chatglm2" (5 control tokens, build_prompt), "chatglm3" (role tokens), "glm4" (ChatGLM4Tokenizer)
-#   weights    the storage as released: "float", or "int4" / "int8" (config.json's quantization_bit)
 #   chat       "rounds" (ChatGLM2's build_prompt), "roles" (ChatGLM3's build_chat_input), "template" (GLM-4's)
 #   fields     config.json values that only this checkpoint has (evidence when its name is lost); the name itself,
 #              the row's key, is evidence in config.json's _name_or_path and tokenizer_config.json's name_or_path
 # Adding a checkpoint: one row here and in tokenization_chatglm.py, and its golden case (tests/conftest.py).
 CHECKPOINT_VARIANTS = {
-    "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
-    "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", weights="float", chat="rounds",
-                            fields={"rope_ratio": 16}),
-    "chatglm2-6b-int4": dict(rotary="base", tokenizer="chatglm2", weights="int4", chat="rounds", fields={}),
-    "codegeex2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
-    "chatglm3-6b": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "chatglm3-6b-base": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "chatglm3-6b-32k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "chatglm3-6b-128k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "glm-4-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "glm-4-9b-chat": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "glm-4-9b-chat-1m": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "codegeex4-all-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "glm-4v-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
+    "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", chat="rounds", fields={"rope_ratio": 16}),
+    "chatglm2-6b-int4": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
+    "codegeex2-6b": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
+    "chatglm3-6b": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "chatglm3-6b-base": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "chatglm3-6b-32k": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "chatglm3-6b-128k": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "glm-4-9b": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "glm-4-9b-chat": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "glm-4-9b-chat-1m": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "codegeex4-all-9b": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "glm-4v-9b": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
 }
 
 
@@ -602,9 +517,9 @@ def config_file_fields(config) -> dict:
 
 def checkpoint_variant(config) -> Optional[str]:
     """Which THUDM checkpoint `config` describes (a CHECKPOINT_VARIANTS row), or None: `chatglm_variant` when set
-    (written by save_pretrained where it matters, or by hand), else the names (config.json's `_name_or_path`, the
-    folder or Hub id loaded from), else the fields only one checkpoint has. Evidence that contradicts the choice
-    is named in a warning."""
+    (written by save_pretrained where the reading is not the default, or by hand), else the names (config.json's
+    `_name_or_path`, the folder or Hub id loaded from), else the fields only one checkpoint has. Evidence that
+    contradicts the choice is named in a warning."""
     chosen = getattr(config, "chatglm_variant", None)
     if chosen is not None:
         if chosen not in CHECKPOINT_VARIANTS:
@@ -633,13 +548,9 @@ def checkpoint_variant(config) -> Optional[str]:
 
 
 def rotary_reading(config) -> str:
-    """How this checkpoint's rope_ratio is read ("base" or "positions", see CHECKPOINT_VARIANTS). A "positions"
-    checkpoint keeps the fact in config.chatglm_variant, so that save_pretrained (which drops the names) keeps it."""
+    """How this checkpoint's rope_ratio is read ("base" or "positions", see CHECKPOINT_VARIANTS)."""
     variant = checkpoint_variant(config)
-    reading = CHECKPOINT_VARIANTS[variant]["rotary"] if variant else "base"
-    if reading != "base":
-        config.chatglm_variant = variant
-    return reading
+    return CHECKPOINT_VARIANTS[variant]["rotary"] if variant else "base"
 
 
 def weight_storage(config) -> str:
@@ -673,306 +584,43 @@ def check_supported(config: ChatGLMConfig):
             f"({type(config).__module__}) is not a ChatGLM2/3 or GLM-4 one, or is older than this file. Copy this "
             "repository's configuration_chatglm.py into the checkpoint folder too."
         )
-    validate_config(config)
+    checks = load_checks(config)
+    validate = getattr(config, "validate_chatglm", None)  # ours checks every field; the original class checks nothing
+    if callable(validate):
+        validate()
+    elif checks is not None:
+        checks.validate_config(config)
     complete_original_config(config)
     if weight_storage(config) not in ("float", "int4", "int8"):
         raise ValueError(
             f"config.quantization_bit={config.quantization_bit}: checkpoints quantized by the original code store 4 "
             "or 8 bits (0: float weights). Fix quantization_bit in config.json to the width the weights were saved with."
         )
-    prefix_slots(config)  # a P-tuning v2 prefix length is valid (see that section)
-    check_fits_in_memory(config)
+    if checks is not None:
+        checks.check_fits_in_memory(config, parameter_count(config))
 
 
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
-    bad = (input_ids < 0) | (input_ids >= vocab_size)
-    if bool(bad.any()):
-        raise ValueError(
-            f"input_ids holds token id {int(input_ids[bad][0])} outside this model's vocabulary [0, {vocab_size}) "
-            f"(padded_vocab_size). The tokenizer does not match the checkpoint, or the ids were built by hand: "
-            "GLM-4 tokenizers give ids below 151552, ChatGLM2/3 tokenizers ids below 65024."
-        )
-
-
-def check_attention_mask_values(attention_mask):
-    """A 2-D mask holds 1 (token) and 0 (padding), with a token in every row: a 2 was attended like a 1, and a row
-    of zeros attended to nothing, both giving logits without meaning and no error."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        return
-    ones = attention_mask == 1
-    valid = ones | (attention_mask == 0)
-    if not bool(valid.all()):
-        raise ValueError(f"attention_mask must hold only 1 (token) and 0 (padding); it holds "
-                         f"{attention_mask[~valid][0].item()!r}. Pass the tokenizer's attention_mask, or a bool mask.")
-    empty = ~ones.any(-1)
-    if bool(empty.any()):
-        raise ValueError(f"attention_mask row {int(empty.nonzero()[0, 0])} is all 0: every sequence needs at least "
-                         "one token to attend. Drop empty sequences from the batch.")
+# The checks of what the forwards are given (shapes and dtypes; values where reading them costs no device sync) live
+# in checks_chatglm.py with the load checks, skipped like them where that file is missing. These are their calls.
 
 
 def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values):
-    """Shapes and dtypes of the base model's inputs, each error naming the argument and the shape it must have. Reads
-    shapes only (no host sync); token id values are checked separately (check_token_ids)."""
-
-    def refuse(name, tensor, expected):
-        got = f"shape {list(tensor.shape)}, dtype {tensor.dtype}" if isinstance(tensor, torch.Tensor) else repr(tensor)
-        raise ValueError(f"{name} must be {expected}; got {got}.")
-
-    def is_integer(t):
-        return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
-    if input_ids is not None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer(input_ids):
-            refuse("input_ids", input_ids, "an integer tensor [batch, sequence] (one row per sequence: add a batch "
-                   "dimension with input_ids[None], or use the tokenizer's return_tensors='pt')")
-        name, tokens = "input_ids", input_ids
-    else:
-        hidden = model.config.hidden_size
-        if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 \
-                or inputs_embeds.shape[-1] != hidden or not inputs_embeds.is_floating_point():
-            refuse("inputs_embeds", inputs_embeds, f"a floating tensor [batch, sequence, {hidden}] (hidden_size)")
-        name, tokens = "inputs_embeds", inputs_embeds
-    batch, length = tokens.shape[:2]
-    if batch == 0 or length == 0:
-        raise ValueError(f"{name} holds no tokens (shape {list(tokens.shape)}): pass at least one token per sequence "
-                         "(a prompt cannot be empty; the GLM tokenizers start every prompt with [gMASK] <sop>).")
-
-    past = cached_length(past_key_values, model, batch)
-    if isinstance(past, int):
-        check_cache_room(past_key_values, past + length, f"{past} cached and {length} new")
-    tokens = past - cached_prefix(model, past)  # a 2-D mask covers the tokens, not a P-tuning v2 prefix
-    if attention_mask is not None:
-        columns = f"{tokens} + {length}" if isinstance(past, int) else "the cached and the new tokens"
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_complex():
-            refuse("attention_mask", attention_mask, f"a tensor [{batch}, {columns}] of 1 (token) and 0 (padding)")
-        if attention_mask.dim() == 4:
-            if attention_mask.shape[0] != batch or attention_mask.shape[2] != length \
-                    or (isinstance(past, int) and attention_mask.shape[3] < past + length) \
-                    or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
-                refuse("attention_mask", attention_mask, f"a custom 4D mask [{batch}, 1, {length}, {columns}] of bool "
-                       "(True: attend) or float (0 or -inf, added to the scores)")
-        elif attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
-                isinstance(past, int) and attention_mask.shape[1] != tokens + length
-                and getattr(model, "vision", None) is None):  # GLM-4V: columns per token or per row (its seam checks)
-            refuse("attention_mask", attention_mask, f"[batch, cached + new tokens] = [{batch}, {columns}] (or a "
-                   "custom 4D mask)" + ("; the model adds the P-tuning v2 prefix's columns itself"
-                                        if prefix_length(model) else ""))
-    if position_ids is not None:
-        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
-                or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length \
-                or not is_integer(position_ids):
-            refuse("position_ids", position_ids, f"an integer tensor [{batch}, {length}] (batch, new tokens)")
+    checks = load_checks(model.config)
+    if checks is not None:
+        capacity = max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None
+        checks.check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, capacity)
 
 
-def check_one_float_width(model: nn.Module):
-    """transformers 4.44 with dtype "auto" and no torch_dtype in config.json took the first weight's dtype for some
-    layers and float32 for others: a float64 weight loaded, and the forward failed on mixed dtypes."""
-    wide = [name for name, param in model.named_parameters() if param.dtype == torch.float64]
-    if wide and len(wide) < sum(1 for param in model.parameters() if param.is_floating_point()):
-        raise ValueError(f"{len(wide)} weights loaded as float64 ({', '.join(wide[:3])}{', ...' if len(wide) > 3 else ''})"
-                         " and the others in another dtype: the checkpoint stores float64 tensors. Pass "
-                         "torch_dtype=torch.bfloat16 (or float32) to from_pretrained (`dtype=` on transformers >= 4.56).")
+def check_attention_mask_values(attention_mask):
+    checks = load_checks()
+    if checks is not None:
+        checks.check_attention_mask_values(attention_mask)
 
 
-def check_loaded_weights(model: nn.Module, loading_info: dict, source):
-    """Refuse a checkpoint that holds few of the model's weights (another family's keys, or first-generation
-    ChatGLM-6B ones under a ChatGLM2/3 config): the model would otherwise run with random weights, with only
-    transformers' load report saying so."""
-    expected = set(model.state_dict())
-    # transformers 4.44 reports them without the "transformer." prefix when no checkpoint key has it.
-    prefixed = {f"{model.base_model_prefix}.{key}" for key in loading_info.get("missing_keys") or ()}
-    missing = expected & (set(loading_info.get("missing_keys") or ()) | prefixed)
-    if 2 * len(missing) <= len(expected):
-        return
-    found = sorted(loading_info.get("unexpected_keys") or ())
-    raise ValueError(
-        f"{source} holds {len(expected) - len(missing)} of the {len(expected)} weights of {type(model).__name__}: it "
-        "is not a ChatGLM2/3 / GLM-4 checkpoint (first-generation ChatGLM-6B and other families name their weights "
-        f"differently). Expected keys such as {sorted(missing)[:4]}; found {found[:4] or 'none of them'}"
-        f"{' (and %d more)' % (len(found) - 4) if len(found) > 4 else ''}. Load it with the code it came with."
-    )
-
-
-def held_float_values(tensor: torch.Tensor) -> Optional[torch.Tensor]:
-    """The floating values of a weight that this process holds, or None: a meta tensor (offloaded by a device map,
-    or not loaded) holds none, integer storage (int8/int4 codes) is not floating, and a quantization library's tensor
-    subclass packs its own storage. A DTensor (tensor parallelism) is checked by its local shard."""
-    if hasattr(tensor, "to_local"):
-        tensor = tensor.to_local()
-    if tensor.is_meta or not tensor.is_floating_point() or type(tensor) not in (torch.Tensor, nn.Parameter):
-        return None
-    return tensor
-
-
-def summable(values: torch.Tensor) -> torch.Tensor:
-    return values.to(torch.float16) if values.element_size() == 1 else values  # float8 has no sum/isfinite kernel
-
-
-def check_finite_weights(model: nn.Module, source):
-    """Refuse weights holding NaN or inf (a bad merge or conversion, a damaged download): every logit would be NaN,
-    with no message. One sum per tensor and one host sync per device: a sum is finite unless a value is not (or
-    legitimate values overflow it, which the exact count then clears)."""
-    held = [(name, held_float_values(tensor)) for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
-    held = [(name, values) for name, values in held if values is not None]
-    sums = {}
-    for _, values in held:
-        sums.setdefault(values.device, []).append(summable(values).sum())
-    if all(bool(torch.stack(device_sums).isfinite().all()) for device_sums in sums.values()):
-        return
-    for name, values in held:
-        bad = values.numel() - int(torch.isfinite(summable(values)).sum())
-        if bad:
-            raise ValueError(
-                f"{source}: the weight {name} holds {bad} NaN or inf value{'s' if bad > 1 else ''} (of "
-                f"{values.numel()}); every output would be NaN. The checkpoint is damaged (an interrupted download, "
-                "a bad merge or conversion): download or convert it again. check_finite_weights=False skips this "
-                "check."
-            )
-
-
-# The weight files from_pretrained reads, in the order it looks for them (a sharded checkpoint's index names its shards).
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def damaged_file_error(path, problem: str) -> ValueError:
-    return ValueError(f"{path} is damaged or incomplete: {problem}. Download it again (an interrupted download or a "
-                      "full disk leaves such a file), or save the checkpoint again.")
-
-
-def index_shards(index_file: str, wanted=lambda key: True) -> list:
-    """The shard file names a sharded checkpoint's index (`*.index.json`) gives for the wanted keys, sorted."""
-    try:
-        with open(index_file, "rb") as index:
-            weight_map = json.loads(index.read())["weight_map"]
-        return sorted({shard for key, shard in weight_map.items() if wanted(key)})
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-        raise damaged_file_error(index_file, "it is not a JSON object with a 'weight_map' table") from None
-
-
-# safetensors' own limit on a header's size; a length field beyond it (or beyond the file) is damage, not a header.
-SAFETENSORS_MAX_HEADER = 100_000_000
-
-
-def read_safetensors_header(path: str) -> dict:
-    """The JSON header of a .safetensors file ({name: {"dtype", "shape", "data_offsets"}}, and "__metadata__"),
-    checked against the file's size before anything is allocated: a damaged or cut file fails naming itself instead
-    of a bare JSONDecodeError, OverflowError or MemoryError."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as handle:
-        if size < 8:
-            raise damaged_file_error(path, f"it holds {size} bytes, fewer than the 8 of a safetensors header length")
-        length = int.from_bytes(handle.read(8), "little")
-        if length > min(size - 8, SAFETENSORS_MAX_HEADER):
-            raise damaged_file_error(path, f"its header length field says {length} bytes, and the file holds "
-                                           f"{size - 8} after it")
-        raw = handle.read(length)
-    try:
-        header = json.loads(raw)
-        entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
-        data_end = max((int(entry["data_offsets"][1]) for entry in entries.values()), default=0)
-        if not all(isinstance(entry["dtype"], str) for entry in entries.values()):
-            raise TypeError
-    except (ValueError, UnicodeDecodeError, AttributeError, KeyError, TypeError, IndexError):
-        raise damaged_file_error(path, "its header is not a safetensors header (JSON naming each tensor's dtype, "
-                                       "shape and data offsets)") from None
-    if data_end > size - 8 - length:
-        raise damaged_file_error(path, f"its header places tensor data up to byte {data_end} of the data, and the "
-                                       f"file holds {size - 8 - length} bytes of data")
-    return header
-
-
-def with_variant(name: str, variant: Optional[str]) -> str:
-    """transformers' file name of a variant: "model.safetensors" -> "model.fp16.safetensors"."""
-    if not variant:
-        return name
-    parts = name.split(".")
-    return ".".join(parts[:-1] + [variant, parts[-1]])
-
-
-def local_checkpoint_file(source, name: str, kwargs: dict) -> Optional[str]:
-    """`name` of checkpoint `source` (a folder, or a hub id in the local Hugging Face cache) on this machine, or None."""
-    subfolder = kwargs.get("subfolder") or ""
-    if os.path.isdir(os.fspath(source)):
-        path = os.path.join(os.fspath(source), subfolder, name)
-        return path if os.path.isfile(path) else None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(str(source), f"{subfolder}/{name}" if subfolder else name,
-                                       cache_dir=kwargs.get("cache_dir"), revision=kwargs.get("revision"))
-    except Exception:  # not a hub id (a file path, a malformed name): transformers reports it
-        return None
-    return found if isinstance(found, str) else None
-
-
-def stored_weight_files(source, kwargs: dict) -> Optional[list]:
-    """The weight files from_pretrained(source, **kwargs) reads, if all are on this machine already."""
-    if source is None or kwargs.get("gguf_file") or kwargs.get("state_dict") is not None:
-        return None
-    for name in MODEL_FILES:
-        if name.startswith("model.safetensors") and kwargs.get("use_safetensors") is False:
-            continue
-        found = local_checkpoint_file(source, with_variant(name, kwargs.get("variant")), kwargs)
-        if found is None:
-            continue
-        if not found.endswith(".index.json"):
-            return [found]
-        files = [local_checkpoint_file(source, shard, kwargs) for shard in index_shards(found)]
-        return files if all(files) else None
-    return None
-
-
-def non_float_tensors(files: list) -> list:
-    """(name, dtype, file) of each stored tensor that is not floating, read from the safetensors headers or a torch
-    file's records (memory-mapped): no tensor value is read."""
-    found = []
-    for file in files:
-        if file.endswith(".safetensors"):
-            header = read_safetensors_header(file)
-            names = {"BOOL": "bool", "I": "int", "U": "uint", "C": "complex"}
-            found += [(name, names.get(entry["dtype"]) or names.get(entry["dtype"][0], "") + entry["dtype"][1:], file)
-                      for name, entry in header.items()
-                      if name != "__metadata__" and not entry["dtype"].startswith(("F", "BF"))]
-            continue
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # a legacy (not zip) torch file cannot be memory-mapped: transformers' checks apply
-            continue
-        found += [(name, str(tensor.dtype).replace("torch.", ""), file) for name, tensor in state.items()
-                  if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()]
-    return found
-
-
-def check_stored_dtypes(source, kwargs: dict, model) -> bool:
-    """Refuse a checkpoint that stores one of the model's float weights as an integer or bool tensor: transformers
-    casts it to float without a word (4.44 without low_cpu_mem_usage fails on the copy, naming neither dtype nor
-    file), and the logits are far off. Reads the files' headers only; `model` is the loaded model, or a callable
-    building one on the meta device, called only if a stored tensor is not floating. Returns whether the files were
-    on this machine to check (a hub checkpoint is downloaded by from_pretrained itself)."""
-    files = stored_weight_files(source, kwargs)
-    if files is None:
-        return False
-    stored = non_float_tensors(files)
-    if not stored or kwargs.get("quantization_config") is not None:
-        return True
-    if not isinstance(model, nn.Module):
-        with torch.device("meta"):
-            model = model()
-    if getattr(model.config, "quantization_config", None) is not None:  # quantized weights are stored as integers
-        return True
-    expected = {name: tensor.dtype for name, tensor in model.state_dict().items()}
-    prefix = model.base_model_prefix + "."
-    for name, dtype, file in stored:
-        for key in (name, name[len(prefix):] if name.startswith(prefix) else prefix + name):
-            if key in expected and expected[key].is_floating_point:
-                raise ValueError(
-                    f"{name} is stored as {dtype} in {file}; this model's weight is floating point ({expected[key]}), "
-                    f"and loading would cast the {dtype} values to it without a word, giving wrong logits. The "
-                    "checkpoint was saved or edited wrong: save the weights as float (bfloat16, float16 or float32)."
-                )
-    return True
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
+    checks = load_checks()
+    if checks is not None:
+        checks.check_token_ids(input_ids, vocab_size)
 
 
 # ======================================================================================================================
@@ -1015,103 +663,11 @@ def first_tensor(module: nn.Module, kind: str) -> Optional[torch.Tensor]:
 
 
 def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
-    """An explicit device map for `devices` (e.g. ["cuda:0", "cuda:1"]): embedding and rotary table on the first,
-    final norm and output layer on the last, the blocks in contiguous runs that balance the parameter count.
-    The successor of ChatGLM3's `load_model_on_gpus`, whose maps missed modules."""
-    if isinstance(devices, (str, bytes, int, torch.device)) or not isinstance(devices, Iterable):
-        # A string is iterable: "cuda:0" mapped the layers to 'c', 'u', 'd', ...
-        raise TypeError(f"balanced_device_map: devices must be a list of devices, e.g. [{devices!r}], got "
-                        f"{type(devices).__name__} {devices!r}.")
-    devices = list(devices)
-    if not devices:
-        raise ValueError("balanced_device_map needs at least one device")
-    vocab_weights = config.padded_vocab_size * config.hidden_size
-    block = block_parameter_count(config)
-    pieces = ([("transformer.embedding", vocab_weights)]
-              + [(f"transformer.encoder.layers.{i}", block) for i in range(config.num_layers)]
-              + [("transformer.output_layer", vocab_weights)])
-    if getattr(config, "vision_config", None):  # GLM-4V: the vision tower computes first
-        pieces = [("transformer.vision", import_companion("visual", config).parameter_count(config))] + pieces
-    share = sum(size for _, size in pieces) / len(devices)
-    device_map, start = {}, 0
-    for name, size in pieces:
-        device_map[name] = devices[min(len(devices) - 1, int((start + size / 2) // share))]
-        start += size
-    device_map["transformer.rotary_pos_emb"] = device_map["transformer.embedding"]
-    if prefix_slots(config):
-        device_map["transformer.prefix_encoder"] = device_map["transformer.embedding"]
-    device_map["transformer.encoder.final_layernorm"] = device_map["transformer.output_layer"]
-    return device_map
-
-
-def check_devices_exist(device_map: dict):
-    """Every device a device map names exists on this machine (transformers < 4.46 found out only after reading the
-    weights). "cpu", "disk" and "meta" always do; an int is an index on the accelerator."""
-    for entry, device in device_map.items():
-        if isinstance(device, str) and device in ("cpu", "disk", "meta"):
-            continue
-        where = f"device_map[{entry!r}] = {device!r}"
-        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-            raise ValueError(f"{where} is not a device: use a device string such as 'cuda:0', an index, or 'cpu'.")
-        try:
-            device = torch.device(device) if not isinstance(device, int) else device
-        except (RuntimeError, TypeError, ValueError) as err:
-            raise ValueError(f"{where} is not a device ({err}): use e.g. 'cuda:0', 0 or 'cpu'.") from None
-        if isinstance(device, int):
-            accelerator = getattr(torch, "accelerator", None)
-            available = accelerator.device_count() if accelerator is not None else torch.cuda.device_count()
-            index, kind = device, "accelerator"
-        elif device.type in ("cpu", "meta"):
-            continue
-        else:
-            backend = getattr(torch, device.type, None)
-            count = getattr(backend, "device_count", None)
-            available = count() if callable(count) else None
-            index, kind = device.index or 0, device.type
-        if available is not None and not 0 <= index < available:
-            have = f"indices 0 to {available - 1}" if available else "none"
-            raise ValueError(f"{where}: no such device; this machine's {kind} devices: {have}. Use one of those "
-                             "or 'cpu'.")
-
-
-def check_device_map(model: nn.Module, device_map: dict):
-    """Refuse a device map that leaves a parameter or buffer unplaced, names a module the model lacks (for example
-    the first-generation ChatGLM-6B's names), or splits a block; before any weight is read."""
-    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-
-    def covers(entry, name):
-        return entry == "" or name == entry or name.startswith(entry + ".")
-
-    def placement(name):  # the most specific entry wins, as in accelerate
-        entries = [entry for entry in device_map if covers(entry, name)]
-        return str(device_map[max(entries, key=len)]) if entries else None
-
-    placed = {name: placement(name) for name in names}
-    missing = [name for name, device in placed.items() if device is None]
-    unknown = [entry for entry in device_map if not any(covers(entry, name) for name in names)]
-    block_devices = {}
-    for name, device in placed.items():
-        for blocks in ("transformer.encoder.layers.", "transformer.vision.transformer.layers."):  # GLM-4V's vision
-            if name.startswith(blocks) and device is not None:
-                block_devices.setdefault(blocks + name[len(blocks):].split(".")[0], set()).add(device)
-    split = [block for block, devices in block_devices.items() if len(devices) > 1]
-    if not (missing or unknown or split):
-        return
-    problems = []
-    if missing:
-        problems.append(f"it places no device for {len(missing)} parameters and buffers: "
-                        + ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else ""))
-    if unknown:
-        problems.append("it names modules this model does not have: " + ", ".join(unknown[:8])
-                        + (", ..." if len(unknown) > 8 else ""))
-    if split:
-        problems.append("it splits blocks across entries (each GLMBlock, and each vision block of GLM-4V, must sit on "
-                        "one device): " + ", ".join(split))
-    raise ValueError(
-        "device_map does not fit this ChatGLM2/3 / GLM-4 model: " + "; ".join(problems) + ". Use "
-        "device_map='auto' (or 'balanced', 'sequential' with max_memory), or build a complete map with "
-        "balanced_device_map(config, devices) from modeling_chatglm."
-    )
+    """An explicit device map for `devices` (e.g. ["cuda:0", "cuda:1"]) that balances the parameter count, each block
+    whole (checks_chatglm.py builds it; the successor of ChatGLM3's `load_model_on_gpus`, whose maps missed modules)."""
+    vision = getattr(config, "vision_config", None) and import_companion("visual", config).parameter_count(config)
+    return import_companion("checks_chatglm", config).balanced_device_map(config, devices,
+                                                                           block_parameter_count(config), vision or 0)
 
 
 # ======================================================================================================================
@@ -1119,7 +675,7 @@ def check_device_map(model: nn.Module, device_map: dict):
 # ======================================================================================================================
 # transformers' Cache classes, used as they are: every constructor and adapter this file needs is here. Layer l's keys
 # and values stay on layer l's device (the Cache classes place them where they arrive). A cache may lead with slots no
-# token covers (a P-tuning v2 prefix), and a GLM-4V cache holds image rows: both are counted here, not in the model.
+# token covers (a P-tuning v2 prefix: `cached_prefix`), and a GLM-4V cache holds image rows (visual.py counts them).
 
 
 def dynamic_cache_kwargs(config: ChatGLMConfig) -> dict:
@@ -1193,146 +749,6 @@ def max_cache_length(cache: Cache) -> Optional[int]:
 def cache_is_empty(cache: Cache) -> bool:
     length = cache.get_seq_length()
     return length == 0 if isinstance(length, int) else not bool(length)  # a tensor from static caches before 5.x
-
-
-def cache_argument_error(problem: str) -> ValueError:
-    """An error about the cache the caller passed, naming the argument: the one place that spells its name."""
-    return ValueError(f"past_key_values {problem}")
-
-
-def check_cache_room(cache, needed: int, what: str):
-    """A static cache holds max_cache_len slots; a step needing more would fail further on, unclearly (on the 4-D
-    mask generate() sized for the cache, or in the cache's index copy). Checked first: by the forward where the
-    cached length is an int (a static cache on an accelerator counts its slots in a tensor, and reading it costs a
-    host sync), and by generate() from the length of its ids."""
-    capacity = max_cache_length(cache) if isinstance(cache, Cache) else None
-    if capacity is None or needed <= capacity:
-        return
-    raise cache_argument_error(
-        f"is a static cache of {capacity} tokens (max_cache_len={capacity}); this step needs {needed} ({what}). "
-        "Create it with max_cache_len of at least the prompt plus max_new_tokens (plus pre_seq_len with a P-tuning "
-        "v2 prefix)."
-    )
-
-
-def first_layer_keys(cache: Cache) -> Optional[torch.Tensor]:
-    """Layer 0's keys [batch, kv_heads, slots, head_dim] as `cache` holds them, None while it holds none (a new cache;
-    4.56+ static caches allocate on the first update). 4.56+ keep them on `cache.layers`, earlier releases in
-    `cache.key_cache` (static caches allocated up front, with their batch size)."""
-    if hasattr(cache, "layers"):
-        keys = getattr(cache.layers[0], "keys", None) if len(cache.layers) else None
-    else:
-        stored = getattr(cache, "key_cache", None)
-        keys = stored[0] if stored else None
-    return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
-
-
-def check_cache_shape(cache: Cache, model, batch: int):
-    """A cache of another batch size or of another model's key/value heads fails in the first layer's torch.cat
-    ("Sizes of tensors must match"); generate() does not expand a cache it is given for num_beams or
-    num_return_sequences. Reads layer 0's shape only."""
-    keys = first_layer_keys(cache)
-    sizes = model.encoder.layers[0].self_attention.sizes
-    if keys is None or (keys.shape[0], keys.shape[1], keys.shape[3]) == (batch, sizes.num_kv_heads, sizes.head_dim):
-        return
-    raise cache_argument_error(
-        f"holds keys of shape {list(keys.shape)} (batch, key/value heads, cached tokens, head dim); this model with "
-        f"an input of batch {batch} needs [{batch}, {sizes.num_kv_heads}, cached tokens, {sizes.head_dim}] "
-        "(multi_query_group_num key/value heads of kv_channels). Pass the cache this model returned for these "
-        "sequences (expanded to the batch generate() runs), or a new DynamicCache()."
-    )
-
-
-def cached_length(past_key_values, model, batch: int):
-    """Tokens held by `past_key_values`, after checking its type and layout: as many layers as the model, each
-    [batch, kv_heads, cached, head_dim] (a Cache's first layer; every pair of a legacy tuple). An int, or a tensor
-    where a static cache counts its written slots on an accelerator (reading it would cost a host sync)."""
-    if past_key_values is None:
-        return 0
-    if isinstance(past_key_values, Cache):
-        layers = len(model.encoder.layers)
-        filled = len(past_key_values) if isinstance(past_key_values, DynamicCache) else layers
-        if 0 < filled < layers:  # a cache of another model (transformers < 4.47 took it, and failed in attention)
-            raise cache_argument_error(f"holds {filled} layers; this model has {layers} (num_layers). Pass the "
-                                       "cache this model returned, or a new DynamicCache().")
-        check_cache_shape(past_key_values, model, batch)
-        length = past_key_values.get_seq_length()
-        if isinstance(length, torch.Tensor) and length.device.type == "cpu" and not is_tracing():
-            return int(length)
-        return length
-    sizes = model.encoder.layers[0].self_attention.sizes
-    layers = len(model.encoder.layers)
-    expected = (f"a transformers Cache (DynamicCache, StaticCache), or a tuple of {layers} (key, value) pairs, each "
-                f"a floating tensor [{batch}, {sizes.num_kv_heads}, cached tokens, {sizes.head_dim}]")
-    if not isinstance(past_key_values, (tuple, list)) or len(past_key_values) != layers:
-        got = f"a {type(past_key_values).__name__}" + (f" of {len(past_key_values)}"
-                                                       if isinstance(past_key_values, (tuple, list)) else "")
-        raise cache_argument_error(f"must be {expected}; got {got}.")
-    first = past_key_values[0][0] if len(past_key_values[0]) == 2 else None
-    for pair in past_key_values:
-        if len(pair) != 2 or any(not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point()
-                                 or t.shape[1] != sizes.num_kv_heads
-                                 or t.shape[3] != sizes.head_dim or t.shape[0] != batch
-                                 or t.shape[:3] != first.shape[:3] for t in pair):
-            shapes = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
-            raise cache_argument_error(f"must be {expected}; got a layer with {shapes}.")
-    return first.shape[2]
-
-
-class PrefixOnlyCache(DynamicCache):
-    """The prefix for a forward that keeps no cache (use_cache=False, gradient checkpointing): each layer attends to
-    its prefix followed by the new keys, and nothing is stored, so a checkpointed layer that runs again sees the same
-    keys. Gradients reach the prefix encoder through the concatenation."""
-
-    def __init__(self, config: ChatGLMConfig, key_values: list):
-        super().__init__(**dynamic_cache_kwargs(config))
-        self.prefix = key_values
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        key, value = self.prefix[layer_idx]
-        return torch.cat([key, key_states], dim=-2), torch.cat([value, value_states], dim=-2)
-
-    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
-        return self.prefix[layer_idx][0].shape[-2]
-
-
-def reserve_static_cache_room(model: nn.Module, inputs: Optional[torch.Tensor], kwargs: dict, leading_slots: int
-                              ) -> dict:
-    """generate(cache_implementation="static") sizes its cache for the prompt and the new tokens only; with
-    `leading_slots` (a P-tuning v2 prefix) the static cache is built here, that much larger, and handed to generate."""
-    if not leading_slots or any(kwargs.get(name) is not None for name in ("past_key_values", "cache")):
-        return kwargs
-    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    config.update(**{name: value for name, value in kwargs.items() if hasattr(config, name)})
-    if config.cache_implementation != "static" or config.use_cache is False:
-        return kwargs
-    prompt = next(t for t in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None)
-    batch_size, length = prompt.shape[:2]
-    new_tokens = config.max_new_tokens if config.max_new_tokens is not None else max(config.max_length - length, 0)
-    transformer = model.base_model
-    cache = new_static_cache(
-        model.config, batch_size * max(config.num_beams or 1, config.num_return_sequences or 1),
-        leading_slots + length + new_tokens, transformer.compute_dtype,
-        [execution_device(layer) for layer in transformer.encoder.layers],
-    )
-    config.cache_implementation = None
-    kwargs = {name: value for name, value in kwargs.items() if name != "cache_implementation"}
-    return dict(kwargs, **cache_output(cache), generation_config=config)
-
-
-# GLM-4V: how many rows its images added to the sequence a cache holds (an image's N + 2 rows replace its 3 tokens),
-# written by the step that spliced the image in and read by later steps. Kept on the cache object itself: the one thing
-# that lives exactly as long as those rows and is copied with them (copy.deepcopy of a prompt cache, beam reordering).
-IMAGE_ROWS_ATTRIBUTE = "chatglm_image_rows_added"
-
-
-def image_rows_in_cache(cache: Optional[Cache]) -> Optional[int]:
-    """Rows images added to `cache`'s sequence; None where no step has recorded it."""
-    return getattr(cache, IMAGE_ROWS_ATTRIBUTE, None)
-
-
-def record_image_rows(cache: Cache, rows: int):
-    setattr(cache, IMAGE_ROWS_ATTRIBUTE, rows)
 
 
 # ======================================================================================================================
@@ -2160,46 +1576,50 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """transformers' from_pretrained, with an explicit device_map checked before any weight is read, and the
-        loaded weights checked for NaN and inf (`check_finite_weights=False` skips that). With tp_plan="auto" (under
-        torchrun), tp_size, device_mesh or distributed_config, the model is sharded by its own tensor-parallel plan
-        instead, on every supported transformers release (parallel_chatglm.py)."""
+        """transformers' from_pretrained, with the load checks of checks_chatglm.py (docs/load-checks.md): an
+        explicit device_map and the weight files' storage before any weight is read, the loaded weights after
+        (`check_finite_weights=False` skips the NaN/inf check). With tp_plan="auto" (under torchrun), tp_size,
+        device_mesh or distributed_config, the model is sharded by its own tensor-parallel plan instead, on every
+        supported transformers release (parallel_chatglm.py)."""
+        source = pretrained_model_name_or_path
         check_finite = kwargs.pop("check_finite_weights", True)
+        checks = load_checks(checkpoint=None if source is None else str(source),
+                             **{name: kwargs[name] for name in HUB_KWARGS if name in kwargs})
         if any(kwargs.get(name) is not None for name in ("tp_plan", "tp_size", "device_mesh", "distributed_config")):
-            config = cls._config_for(pretrained_model_name_or_path, kwargs)
-            parallel = import_companion("parallel_chatglm", config, checkpoint=str(pretrained_model_name_or_path))
+            config = cls._config_for(source, kwargs)
+            parallel = import_companion("parallel_chatglm", config, checkpoint=str(source))
             parallel.check_shardable(config)  # before torchrun's environment is asked for
 
             def load_checked(*args, **load_kwargs):  # every rank checks the whole weights it read, before sharding
                 loaded = super(ChatGLMPreTrainedModel, cls).from_pretrained(*args, **load_kwargs)
-                if check_finite:
-                    check_finite_weights(loaded[0] if isinstance(loaded, tuple) else loaded,
-                                         pretrained_model_name_or_path)
+                if check_finite and checks is not None:
+                    checks.check_finite_weights(loaded[0] if isinstance(loaded, tuple) else loaded, source)
                 return loaded
 
-            return parallel.from_pretrained_tensor_parallel(
-                load_checked, pretrained_model_name_or_path, *model_args, **kwargs
-            )
+            return parallel.from_pretrained_tensor_parallel(load_checked, source, *model_args, **kwargs)
+        config = cache(lambda: cls._config_for(source, kwargs))  # read once, where a check needs it
         device_map = kwargs.get("device_map")
-        if isinstance(device_map, dict):
-            check_devices_exist(device_map)
+        if checks is not None and isinstance(device_map, dict):
+            checks.check_devices_exist(device_map)
             with torch.device("meta"):
-                check_device_map(cls(cls._config_for(pretrained_model_name_or_path, kwargs)), device_map)
-        if pretrained_model_name_or_path is not None and os.path.isdir(os.fspath(pretrained_model_name_or_path)):
-            check_prefix_checkpoint(pretrained_model_name_or_path, cls._config_for(pretrained_model_name_or_path,
-                                                                                   kwargs), kwargs)
+                checks.check_device_map(cls(config()), device_map)
+        if source is not None and os.path.isdir(os.fspath(source)) and (
+                kwargs.get("pre_seq_len") or getattr(config(), "pre_seq_len", None)):
+            ptuning(config()).check_prefix_checkpoint(source, config(), kwargs)
         with_info = kwargs.pop("output_loading_info", False)
-        checked = check_stored_dtypes(pretrained_model_name_or_path, kwargs,
-                                      lambda: cls(cls._config_for(pretrained_model_name_or_path, kwargs)))
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
-                                              **kwargs)
-        if not checked:  # downloaded by this call
-            check_stored_dtypes(pretrained_model_name_or_path, kwargs, model)
-        check_loaded_weights(model, info, pretrained_model_name_or_path)
-        check_one_float_width(model)
-        settle_loaded_prefix(model, info)
-        if check_finite:
-            check_finite_weights(model, pretrained_model_name_or_path)
+        checked = checks is not None and checks.check_stored_dtypes(source, kwargs, lambda: cls(config()), config)
+        try:
+            model, info = super().from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
+        except Exception:
+            if checks is not None and not checked:  # downloaded by this call: a storage the config contradicts is named
+                checks.check_stored_dtypes(source, kwargs, lambda: cls(config()), config)
+            raise
+        if checks is not None:
+            if not checked:
+                checks.check_stored_dtypes(source, kwargs, model)
+            checks.check_loaded(model, info, source, finite=check_finite)
+        if model.base_model.prefix_encoder is not None:  # the prefix alone trains, and a random one is said
+            ptuning(model.config).settle_loaded_prefix(model, info)
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.own_loaded_buffer()
@@ -2230,19 +1650,14 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         """Load a P-tuning v2 prefix saved apart from the base model (a file or a folder: the ChatGLM2/3 ptuning
         trainer's checkpoint, save_prefix_encoder's output, a whole checkpoint, or a PEFT prefix-tuning adapter).
         Returns the file read; a prefix trained for another config fails naming the file and the shapes."""
-        return load_prefix_file(require_prefix(self), path)
+        encoder = require_prefix(self)
+        return ptuning(self.config).load_prefix_file(encoder, path)
 
     def save_prefix_encoder(self, save_directory) -> str:
         """Write the P-tuning v2 prefix alone, the classic layout: `model.safetensors` holding
         `transformer.prefix_encoder.*` (full names), as the ChatGLM2/3 ptuning trainer saved it."""
-        from safetensors.torch import save_file
-
         encoder = require_prefix(self)
-        os.makedirs(save_directory, exist_ok=True)
-        path = os.path.join(save_directory, "model.safetensors")
-        save_file({PREFIX_KEY + name: tensor.detach().contiguous().cpu() for name, tensor in encoder.state_dict().items()},
-                  path, metadata={"format": "pt"})
-        return path
+        return ptuning(self.config).save_prefix_file(encoder, save_directory)
 
     @classmethod
     def _config_for(cls, pretrained_model_name_or_path, kwargs) -> ChatGLMConfig:
@@ -2252,9 +1667,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
         if isinstance(config, transformers.PretrainedConfig):  # 5.x: AutoConfig's class is another module's copy
             return config
         config = cls.config_class.from_pretrained(
-            pretrained_model_name_or_path,
-            **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs},
-        )
+            pretrained_model_name_or_path, **{k: kwargs[k] for k in ("revision", *HUB_KWARGS) if k in kwargs})
         # Where the code files come from, as from_pretrained records it (config.json may name another repository):
         # GLM-4V's model, built for the device-map check, imports visual.py from there.
         config._name_or_path = str(pretrained_model_name_or_path)
@@ -2263,6 +1676,9 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, which writes the code files it saw imported; the companion files are
         written beside them, so that the saved folder keeps every capability."""
+        variant = checkpoint_variant(self.config)
+        if variant is not None and CHECKPOINT_VARIANTS[variant]["rotary"] != "base":
+            self.config.chatglm_variant = variant  # the names that told the reading are not saved; the variant is
         super().save_pretrained(save_directory, *args, **kwargs)
         if self._auto_class is None or not kwargs.get("is_main_process", True):
             return
@@ -2272,32 +1688,15 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
                 shutil.copyfile(found, target)
 
     def use_quantized_kernel(self, kernel: str = "packed") -> int:
-        """A pre-quantized (int4 or int8) model's matrix kernel (quantization_chatglm.py): "packed", torch's int4 or
-        int8 weight-only kernel on bf16 activations for decode (the default in bf16/fp16 models, where torch has it
-        for the device; an opt-in in fp32, docs/quantized-checkpoints.md: its deviation), "exact" (the original's arithmetic), "auto" (what
-        from_pretrained chose). A move to another device keeps the choice (the layers pack again there). Returns how
-        many layers run packed."""
-        if weight_storage(self.config) == "float":
-            raise ValueError(
-                f"use_quantized_kernel({kernel!r}): this model's weights are not pre-quantized (quantization_bit="
-                f"{self.config.quantization_bit}); it applies to checkpoints such as chatglm2-6b-int4.")
-        packed = import_companion("quantization_chatglm", self.config).use_kernel(self, kernel, self.dtype)
-        if kernel == "packed" and not packed:
-            raise ValueError(
-                f"use_quantized_kernel('packed'): torch {torch.__version__} has no int{self.config.quantization_bit} "
-                f"kernel for {self.device.type} that takes this model's quantized layers: use 'exact', or a newer "
-                "torch.")
-        return packed
+        """A pre-quantized (int4 or int8) model's matrix kernel: "packed" (torch's weight-only kernel on bf16
+        activations, for decode), "exact" (the original's arithmetic), "auto" (what from_pretrained chose); see
+        quantization_chatglm.use_model_kernel. Returns how many layers run packed."""
+        return import_companion("quantization_chatglm", self.config).use_model_kernel(self, kernel)
 
     def use_cpu_packed_weights(self, enable: bool = True) -> int:
-        """Opt-in for decode on a CPU (quantization_chatglm.OneDnnLinear). bf16/fp16: each float nn.Linear also holds
-        its weight in oneDNN's blocked layout, which calls of up to 32 rows without autograd multiply by; one bf16 row
-        takes torch's matrix-vector kernel instead, and no copy. Both read the weights 1.1-1.2x as fast as the eager
-        product on the benchmark's AVX-512 BF16 CPU, within the dtype's rounding of it; refused where torch has no
-        oneDNN linear for the CPU (AVX2 without AVX-512). fp32: one row's product over blocks of output rows, one
-        per torch thread, no copy (torch's fp32 one-row product ran on one thread on an AVX2 AMD EPYC). See
-        docs/speed-and-memory.md: measured. The parameters and the state dict stay as they are. False drops the
-        copies. Returns how many layers take these paths."""
+        """Opt-in for decode on a CPU: bf16/fp16 weights also held in oneDNN's blocked layout, fp32 rows' products
+        shared over the threads (quantization_chatglm.use_cpu_packed_weights says when each is used, and what it
+        costs); False drops the copies. Returns how many layers take these paths."""
         return import_companion("quantization_chatglm", self.config).use_cpu_packed_weights(self, enable)
 
     def tensor_parallel(self, mesh_or_size=None):
@@ -2378,10 +1777,11 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
-        self.prefix_encoder = PrefixEncoder(config) if prefix_slots(config) else None  # P-tuning v2 (own section)
+        self.prefix_encoder = prefix_encoder(config)  # P-tuning v2 (ptuning_chatglm.py), None without pre_seq_len
         # GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower of visual.py, whose image rows enter through `splice`.
         self.vision = vision_tower(config) if getattr(config, "vision_config", None) else None
-        train_prefix_only(self)
+        if self.prefix_encoder is not None:
+            ptuning(config).train_prefix_only(self)
         self.post_init()
         if device is not None:
             self.to(device)
@@ -2399,12 +1799,14 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         """The P-tuning v2 prefix as past_key_values: per layer [2, batch, kv_heads, pre_seq_len, head_dim] (key,
         value), the layout of GLM-4's original and of transformers' legacy caches (ChatGLM2/3's original put the
         prefix length first). This model's forward adds the prefix itself: pass none."""
-        key_values = require_prefix(self).key_values(batch_size, dtype)
+        encoder = require_prefix(self)
+        key_values = encoder.key_values(batch_size, dtype, execution_device(encoder))
         return tuple(device_boundary(torch.stack(pair), torch.device(device)) for pair in key_values)
 
     def quantize(self, weight_bit_width: int, storage: str = "library"):
         """The original's base-model call: quantizes the blocks' linear layers (see ChatMixin.quantize)."""
-        return quantize_blocks(self, weight_bit_width, storage)
+        import_companion("quantization_chatglm", self.config).quantize(self, weight_bit_width, storage)
+        return self
 
     def forward(
         self,
@@ -2555,225 +1957,110 @@ def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
 
 
 # Files of this repository used only by an optional capability, loaded on demand: tensor parallelism, GLM-4V's
-# vision tower (visual.py, for a config with vision_config), pre-quantized weights (a config with quantization_bit).
-COMPANION_FILES = ("parallel_chatglm", "visual", "quantization_chatglm")
+# vision tower (visual.py, for a config with vision_config), pre-quantized weights (a config with quantization_bit),
+# P-tuning v2 (a config with pre_seq_len), and the load checks (checks_chatglm.py: skipped, and said, where it is
+# missing, so that this file copied alone still loads and runs).
+COMPANION_FILES = ("parallel_chatglm", "visual", "quantization_chatglm", "ptuning_chatglm", "checks_chatglm")
+_MISSING_COMPANIONS = set()  # optional companions not found (module names): looked for once a process
+CHECKS_MODULE = f"{__package__}.checks_chatglm"
 
 
-def find_companion(name: str, config=None, checkpoint=None) -> Optional[Path]:
+def find_companion(name: str, config=None, checkpoint=None, **hub_kwargs) -> Optional[Path]:
     """`name`.py beside this module, else where this code came from (the checkpoint folder, or the Hub repository at
-    the same commit): transformers copies into its modules cache only the files it finds imported."""
+    the same commit, in from_pretrained's cache_dir): transformers copies into its modules cache only the files it
+    finds imported."""
     beside = Path(__file__).with_name(f"{name}.py")
     if beside.exists():
         return beside
-    source, revision = code_source(config, checkpoint) if config is not None else (checkpoint, None)
+    source, revision = code_source(config, checkpoint)
     if not source:
         return None
     from transformers.utils import cached_file
 
     try:
-        found = cached_file(source, f"{name}.py", revision=revision, _raise_exceptions_for_missing_entries=False)
+        found = cached_file(source, f"{name}.py", revision=revision, _raise_exceptions_for_missing_entries=False,
+                            **hub_kwargs)
     except (OSError, ValueError):
         return None
     return Path(found) if found else None
 
 
-def import_companion(name: str, config=None, checkpoint=None):
-    """Import a companion file (see COMPANION_FILES).
+# from_pretrained's arguments that say where a Hub checkpoint's files are (a companion file is looked for there too).
+HUB_KWARGS = ("cache_dir", "token", "local_files_only")
+
+
+def import_companion(name: str, config=None, checkpoint=None, required: bool = True, **hub_kwargs):
+    """Import a companion file (see COMPANION_FILES) from where it is found, under this package's name: nothing is
+    written into transformers' modules cache (which may be read-only). A missing file raises an ImportError that
+    says which file to copy, or gives None where not `required`.
 
     Not written as a relative import: transformers requires every file that a remote-code module imports relatively
     to sit beside it, even an import inside a function, which would break this file copied alone over an original
-    checkpoint. A companion that cannot be found raises an error that says which file to copy."""
-    module_name = f"{__package__}.{name}" if __package__ else name
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name:
-            raise
-    found = find_companion(name, config, checkpoint) if __package__ else None
+    checkpoint."""
+    module_name = f"{__package__}.{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    found = find_companion(name, config, checkpoint, **hub_kwargs)
     if found is None:
-        source = code_source(config, checkpoint)[0] if config is not None else checkpoint
+        if not required:
+            _MISSING_COMPANIONS.add(module_name)
+            return None
+        source = code_source(config, checkpoint)[0]
         raise ImportError(
-            f"This needs {name}.py beside modeling_chatglm.py{f' (looked in {source})' if source else ''}: copy it "
-            "from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
+            f"This needs {name}.py beside modeling_chatglm.py{f' (looked in {source})' if source else ''}: copy "
+            "it from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
             "modeling_chatglm.py, or install all its files with tools/install_into_checkpoint.py."
         )
-    shutil.copyfile(found, Path(__file__).with_name(found.name))
-    importlib.invalidate_caches()
-    return importlib.import_module(module_name)
-
-
-# ======================================================================================================================
-# P-tuning v2 prefix
-# ======================================================================================================================
-
-
-# ChatGLM2/3's P-tuning v2 (`pre_seq_len`, `prefix_projection` in config.json; weights `transformer.prefix_encoder.*`):
-# a trained encoder gives every layer `pre_seq_len` key/value slots in front of the real tokens. As in the original,
-# they are the first slots of the key/value cache, written unrotated by the first forward and seen by every query;
-# the real tokens keep positions 0..n-1 and a 2-D attention_mask covers them alone. The core forward meets this section
-# at one seam, `enter_prefix`. GLM-4's original configuration class has no such fields: they are read with getattr.
-
-PREFIX_KEY = "transformer.prefix_encoder."
-
-
-PREFIX_DROPOUT = 0.1  # the original's dropout on the prefix (train mode only)
-
-def prefix_slots(config) -> int:
-    """config.pre_seq_len as a number of prefix slots; 0 without a prefix."""
-    value = getattr(config, "pre_seq_len", None)
-    if value is None or value == 0:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"config.pre_seq_len must be a positive integer (the P-tuning v2 prefix length) or null, got {value!r}."
-        )
-    return value
-
-
-class PrefixEncoder(nn.Module):
-    """The original's `transformer.prefix_encoder`: `embedding` [pre_seq_len, 2 * layers * kv_heads * head_dim], with
-    `prefix_projection` followed by `trans` (Linear to hidden_size, Tanh, Linear back). Viewed [2 * layers, kv_heads,
-    head_dim], row 2l of a slot is layer l's key and row 2l + 1 its value. Without multi-query attention every head
-    has its own key/value (the original sized the prefix by multi_query_group_num there, and crashed)."""
-
-    def __init__(self, config: ChatGLMConfig):
-        super().__init__()
-        sizes = AttentionSizes.from_config(config)
-        self.pre_seq_len = prefix_slots(config)
-        self.num_layers, self.kv_heads, self.head_dim = config.num_layers, sizes.num_kv_heads, sizes.head_dim
-        kv_size = 2 * self.num_layers * self.kv_heads * self.head_dim
-        self.embedding = nn.Embedding(self.pre_seq_len, kv_size)
-        if getattr(config, "prefix_projection", False):
-            self.trans = nn.Sequential(
-                nn.Linear(kv_size, config.hidden_size), nn.Tanh(), nn.Linear(config.hidden_size, kv_size)
-            )
-        else:
-            self.trans = None
-        self.dropout = nn.Dropout(PREFIX_DROPOUT)
-
-    def forward(self, prefix: torch.Tensor) -> torch.Tensor:
-        """prefix: slot indices [batch, n] -> [batch, n, 2 * layers * kv_heads * head_dim] (the original's call)."""
-        embedded = self.embedding(prefix)
-        return embedded if self.trans is None else self.trans(embedded)
-
-    def key_values(self, batch_size: int, dtype: torch.dtype) -> list:
-        """Each layer's prefix as (key, value), [batch, kv_heads, pre_seq_len, head_dim], in `dtype` (the encoder may
-        stay fp32 in a half-precision model, as the original ptuning scripts kept it)."""
-        slots = torch.arange(self.pre_seq_len, device=execution_device(self))
-        prefix = self(slots[None]).to(dtype).expand(batch_size, -1, -1)
-        prefix = self.dropout(prefix).unflatten(-1, (2 * self.num_layers, self.kv_heads, self.head_dim))
-        prefix = prefix.permute(2, 0, 3, 1, 4)  # [2 * layers, batch, kv_heads, slots, head_dim]
-        return [(prefix[2 * layer], prefix[2 * layer + 1]) for layer in range(self.num_layers)]
-
-    def describe(self) -> str:
-        kv_size = self.embedding.weight.shape[1]
-        return (f"pre_seq_len={self.pre_seq_len}, prefix_projection={self.trans is not None}, embedding.weight "
-                f"[pre_seq_len, 2 x {self.num_layers} layers x {self.kv_heads} key/value heads x head size "
-                f"{self.head_dim}] = [{self.pre_seq_len}, {kv_size}]")
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """The classic recipe's call; a prefix trained for another config fails with the shapes expected and found."""
-        check_prefix_state(self, state_dict, "the state dict given to prefix_encoder.load_state_dict")
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-
-def check_prefix_state(encoder: PrefixEncoder, state_dict: dict, source: str):
-    """Refuse prefix tensors trained for another pre_seq_len, depth, key/value heads, head size or projection."""
-    expected = {name: list(tensor.shape) for name, tensor in encoder.state_dict().items()}
-    found = {name: list(tensor.shape) for name, tensor in state_dict.items()}
-    problems = [f"{name} has shape {found[name]}, expected {shape}"
-                for name, shape in expected.items() if name in found and found[name] != shape]
-    if any(name.startswith("trans.") for name in found) != (encoder.trans is not None):
-        problems.append("it was saved " + ("without" if encoder.trans is not None else "with")
-                        + " prefix_projection (trans.* weights)")
-    if problems:
-        raise ValueError(
-            f"{source} does not fit this model's P-tuning v2 prefix encoder: {'; '.join(problems)}. This model "
-            f"expects {encoder.describe()}. Set pre_seq_len and prefix_projection in the config to the values the "
-            "prefix was trained with (the base model must be the one it was trained on)."
-        )
-
-
-PREFIX_FILES = ("adapter_model.safetensors", "adapter_model.bin") + MODEL_FILES
-
-def read_prefix_file(path, names=PREFIX_FILES, shapes_only: bool = False) -> Tuple[dict, str]:
-    """The prefix encoder's tensors (names without `transformer.prefix_encoder.`; empty meta tensors with
-    `shapes_only`) and the file that holds them. `path` is a safetensors or torch file, or a folder holding one of
-    `names`: the ChatGLM2/3 ptuning trainer's checkpoint, a whole or sharded checkpoint, `save_prefix_encoder`'s output,
-    or a PEFT prefix-tuning adapter, whose `prompt_embeddings` are the embedding of an encoder without projection."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        present = [os.path.join(path, name) for name in names if os.path.isfile(os.path.join(path, name))]
-        if not present:
-            raise FileNotFoundError(f"{path} holds none of {', '.join(names)}: no P-tuning v2 prefix to load.")
-        path = present[0]
-    files = [path]
-    if path.endswith(".index.json"):
-        files = [os.path.join(os.path.dirname(path), shard)
-                 for shard in index_shards(path, lambda key: key.startswith(PREFIX_KEY))]
-
-    def wanted(name):
-        return name.startswith(PREFIX_KEY) or name == "prompt_embeddings"
-
-    tensors = {}
-    for file in files:
-        if file.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            read_safetensors_header(file)  # a damaged file is named (safetensors' own error names none)
-            with safe_open(file, "pt") as weights:
-                for name in filter(wanted, weights.keys()):
-                    tensors[name] = (torch.empty(weights.get_slice(name).get_shape(), device="meta") if shapes_only
-                                     else weights.get_tensor(name))
-        else:  # mmap: a whole-model shard is not read for its prefix
-            weights = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            tensors.update({name: tensor for name, tensor in weights.items() if wanted(name)})
-    state = {name[len(PREFIX_KEY):]: tensor for name, tensor in tensors.items() if name.startswith(PREFIX_KEY)}
-    if not state and "prompt_embeddings" in tensors:
-        state = {"embedding.weight": tensors["prompt_embeddings"]}
-    return state, (files[0] if len(files) == 1 else path)
-
-
-def load_prefix_file(encoder: PrefixEncoder, path) -> str:
-    state, file = read_prefix_file(path)
-    if not state:
-        raise ValueError(f"{file} holds no {PREFIX_KEY}* tensors (nor PEFT prompt_embeddings): it is not a P-tuning "
-                         "v2 prefix.")
-    check_prefix_state(encoder, state, file)
-    encoder.load_state_dict(state)
-    return file
-
-
-def check_prefix_checkpoint(folder, config, kwargs: dict):
-    """Before from_pretrained reads a local checkpoint: prefix weights that do not fit the config (with
-    from_pretrained's `kwargs` applied) fail here, naming the file (transformers would name neither the file nor
-    pre_seq_len)."""
-    config = prefix_config(config, kwargs)
-    if not prefix_slots(config):
-        return
+    spec = importlib.util.spec_from_file_location(module_name, found)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
     try:
-        found, file = read_prefix_file(folder, MODEL_FILES, shapes_only=True)
-    except FileNotFoundError:  # weights in a subfolder or another format: transformers' own checks apply
-        return
-    if found:
-        with torch.device("meta"):
-            check_prefix_state(PrefixEncoder(config), found, file)
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
 
 
-PREFIX_SHAPE_FIELDS = ("pre_seq_len", "prefix_projection", "num_layers", "num_attention_heads", "multi_query_attention",
-                       "multi_query_group_num", "kv_channels", "hidden_size")
+def load_checks(config=None, checkpoint=None, **hub_kwargs):
+    """checks_chatglm.py, the load and input checks; None where this file was copied alone without it: the model then
+    loads and runs without them, which is said once. (Every forward asks: once imported, one dictionary lookup.)"""
+    checks = sys.modules.get(CHECKS_MODULE)
+    if checks is not None or CHECKS_MODULE in _MISSING_COMPANIONS:
+        return checks
+    checks = import_companion("checks_chatglm", config, checkpoint, required=False, **hub_kwargs)
+    if checks is None:
+        logger.warning("checks_chatglm.py is not beside modeling_chatglm.py: the checks of the config's sizes, "
+                            "device maps and weight files (docs/load-checks.md) are skipped. Copy it into the "
+                            "checkpoint folder, or install all the files with tools/install_into_checkpoint.py.")
+    return checks
 
-def prefix_config(config, kwargs: dict):
-    """The config from_pretrained builds, as far as the prefix's shapes go: a passed `config`, or the checkpoint's
-    with from_pretrained's overrides (pre_seq_len=N, ...)."""
-    if kwargs.get("config") is None:
-        for name in PREFIX_SHAPE_FIELDS:
-            if name in kwargs:
-                setattr(config, name, kwargs[name])
-    return config
+
+# ======================================================================================================================
+# P-tuning v2 prefix: the seam (the prefix itself is ptuning_chatglm.py's)
+# ======================================================================================================================
 
 
-def require_prefix(model: nn.Module) -> PrefixEncoder:
+def ptuning(config):
+    """ptuning_chatglm.py, imported only for a model with a P-tuning v2 prefix (config.pre_seq_len)."""
+    return import_companion("ptuning_chatglm", config)
+
+
+def prefix_encoder(config) -> Optional[nn.Module]:
+    """The prefix encoder for config.pre_seq_len (ptuning_chatglm.py checks the value); None without one, and the
+    P-tuning file is not imported."""
+    if getattr(config, "pre_seq_len", None) in (None, 0):
+        return None
+    module = ptuning(config)
+    callbacks = module.LanguageModelCallbacks(
+        device_boundary=device_boundary, execution_device=execution_device, cache_is_empty=cache_is_empty,
+        max_cache_length=max_cache_length, dynamic_cache_kwargs=dynamic_cache_kwargs, new_static_cache=new_static_cache,
+        cache_output=cache_output,
+    )
+    return module.PrefixEncoder(config, callbacks)
+
+
+def require_prefix(model: nn.Module) -> nn.Module:
     encoder = getattr(model.base_model, "prefix_encoder", None)
     if encoder is None:
         raise ValueError(
@@ -2797,7 +2084,7 @@ def cached_prefix(model: "ChatGLMModel", past) -> int:
 
 @dataclass(frozen=True)
 class PrefixEntry:
-    """What the core forward gets from this section (enter_prefix): the cache the layers use, the `slots` a prefix
+    """What the core forward gets from the prefix (enter_prefix): the cache the layers use, the `slots` a prefix
     takes at its start (0 without one: then every method is the identity), and the slots cached before this step's
     tokens, prefix included."""
 
@@ -2814,81 +2101,16 @@ class PrefixEntry:
 
 def enter_prefix(model: "ChatGLMModel", cache: Optional[Cache], past_length, batch_size: int, query_length: int
                  ) -> PrefixEntry:
-    """The seam into the core forward. An empty cache gets the prefix written first, each layer's slots on that
-    layer's device; a cache that is not empty holds it already (an earlier call wrote it); without a cache the layers
-    get a PrefixOnlyCache."""
-    encoder = model.prefix_encoder
-    if encoder is None:
+    """The seam into the core forward: a prefix's slots written first into the cache (ptuning_chatglm.enter_prefix);
+    the identity without a prefix."""
+    if model.prefix_encoder is None:
         return PrefixEntry(cache, 0, past_length)
-    slots = encoder.pre_seq_len
-    if cache is not None and not cache_is_empty(cache):
-        return PrefixEntry(cache, slots, past_length)
-    room = max_cache_length(cache) if cache is not None else None
-    if room is not None and slots + query_length > room:
-        raise ValueError(
-            f"The static cache has {room} slots; the P-tuning v2 prefix takes pre_seq_len={slots} of them before the "
-            f"{query_length} tokens. Build it with max_cache_len >= {slots + query_length} plus the tokens to "
-            "generate (generate(cache_implementation='static') does this itself)."
-        )
-    devices = [execution_device(layer) for layer in model.encoder.layers]
-    key_values = [(device_boundary(key, device), device_boundary(value, device))
-                  for (key, value), device in zip(encoder.key_values(batch_size, model.compute_dtype), devices)]
-    if cache is None:
-        cache = PrefixOnlyCache(model.config, key_values)
-    else:
-        for index, ((key, value), device) in enumerate(zip(key_values, devices)):
-            cache.update(key, value, index, {"cache_position": torch.arange(slots, device=device)})
-    return PrefixEntry(cache, slots, cache.get_seq_length())
-
-
-def train_prefix_only(model: "ChatGLMModel"):
-    """As in the original, a model with a prefix trains the prefix alone: every other weight of the base model is
-    frozen when it is built or loaded. `model.requires_grad_(True)` (or on chosen modules) trains more."""
-    if model.prefix_encoder is not None:
-        model.requires_grad_(False)
-        model.prefix_encoder.requires_grad_(True)
+    return PrefixEntry(*ptuning(model.config).enter_prefix(model, cache, past_length, batch_size, query_length))
 
 
 def prefix_checkpointing_kwargs(model: nn.Module, kwargs: Optional[dict]) -> Optional[dict]:
-    """The keyword arguments for torch.utils.checkpoint: as given without a prefix. The prefix reaches the layers
-    through the cache, which reentrant checkpointing does not see as an input: no gradient would reach the prefix
-    encoder. With a prefix, checkpointing is non-reentrant."""
-    if not prefix_length(model):
-        return kwargs
-    kwargs = dict(kwargs or {})
-    if kwargs.get("use_reentrant"):
-        raise ValueError(
-            "gradient_checkpointing_kwargs={'use_reentrant': True} cannot train a P-tuning v2 prefix (it reaches the "
-            "layers through the cache, which reentrant checkpointing does not differentiate). Leave use_reentrant "
-            "unset or False."
-        )
-    kwargs["use_reentrant"] = False
-    return kwargs
-
-
-def settle_loaded_prefix(model: nn.Module, loading_info: dict):
-    """After from_pretrained: the prefix alone trains (5.x loads weights as new, trainable Parameters), and a prefix
-    left random, or prefix weights the config ignores, are said, not silent."""
-    train_prefix_only(model.base_model)
-    encoder = getattr(model.base_model, "prefix_encoder", None)
-    missing = [name if isinstance(name, str) else name[0]  # 4.44 lists mismatches as (name, shapes...)
-               for key in ("missing_keys", "mismatched_keys") for name in loading_info.get(key, ())]
-    missing = [name for name in missing if "prefix_encoder." in name]
-    unexpected = [name for name in loading_info.get("unexpected_keys", ()) if "prefix_encoder." in name]
-    if encoder is not None and missing:
-        warnings.warn(
-            f"The checkpoint holds no P-tuning v2 prefix weights ({', '.join(missing)}): the prefix of "
-            f"pre_seq_len={encoder.pre_seq_len} is random, as at the start of P-tuning. To use a trained prefix, load "
-            "it: model.load_prefix_encoder(path) or model.transformer.prefix_encoder.load_state_dict(...).",
-            stacklevel=3,
-        )
-    if encoder is None and unexpected:
-        warnings.warn(
-            f"The checkpoint holds P-tuning v2 prefix weights ({', '.join(unexpected)}) but config.pre_seq_len is not "
-            "set: the prefix is ignored and the base model runs. Load with pre_seq_len (and prefix_projection) as "
-            "trained, e.g. from_pretrained(path, trust_remote_code=True, pre_seq_len=N).",
-            stacklevel=3,
-        )
+    """The keyword arguments for torch.utils.checkpoint: as given without a prefix (with one, non-reentrant)."""
+    return ptuning(model.config).checkpointing_kwargs(kwargs) if prefix_length(model) else kwargs
 
 
 # ======================================================================================================================
@@ -2913,7 +2135,6 @@ def vision_tower(config) -> nn.Module:
     callbacks = visual.LanguageModelCallbacks(
         device_boundary=device_boundary, execution_device=execution_device,
         default_position_ids=ChatGLMModel.default_position_ids,
-        image_rows_in_cache=image_rows_in_cache, record_image_rows=record_image_rows,
     )
     return visual.EVA2CLIPModel(config, callbacks)
 
@@ -3354,43 +2575,15 @@ class ChatMixin:
         optimum-quanto), or storage="original": the original's own storage (int8 codes, a per-row scale;
         quantization_chatglm.py, multiplied by torch's int8/int4 kernel as a pre-quantized checkpoint is, and saved
         as one). Returns the model. `empty_init` and `device` are accepted for old calling code and not needed."""
-        quantize_blocks(self.transformer, bits, storage)
+        self.transformer.quantize(bits, storage)
         self.quantized = self.quantized or bits != 0
         return self
 
     def quantize_output_layer(self, bits: int = 8):
-        """Opt-in: the output layer (the logits, 151552 x 4096 for GLM-4) held as `bits`-bit codes (8 or 4) with a
-        per-row scale, multiplied by torch's int8/int4 kernel in decode: for checkpoints that keep it in 16 bits
-        (chatglm2-6b-int4 keeps it in fp16), where it is most of the bytes a decode step reads. It moves the logits
-        (docs/speed-and-memory.md: measured deviation); save_pretrained writes it as float weights again, the values of the codes.
-        See quantization_chatglm.quantize_output_layer. Returns the model."""
+        """Opt-in: the output layer held as `bits`-bit codes (8 or 4) with a per-row scale, for decode on torch's
+        int8/int4 kernel (quantization_chatglm.quantize_output_layer says when it pays). Returns the model."""
         import_companion("quantization_chatglm", self.config).quantize_output_layer(self.transformer, bits)
         return self
-
-
-QUANTIZE_STORAGES = ("library", "original")
-
-
-def quantize_blocks(model: "ChatGLMModel", bits: int, storage: str = "library") -> "ChatGLMModel":
-    """quantize(bits) of the base model: the blocks' linear layers, weight-only; 0 leaves the model as it is."""
-    if storage not in QUANTIZE_STORAGES:
-        raise ValueError(f"quantize(storage={storage!r}): choose 'library' (torchao or optimum-quanto) or 'original' "
-                         "(the original's int8 codes and per-row scales, run by torch's int8/int4 kernels).")
-    if bits == 0:
-        return model
-    if weight_storage(model.config) != "float":
-        raise ValueError(
-            f"quantize({bits}): this model is already quantized (quantization_bit={model.config.quantization_bit} "
-            "in config.json: it was loaded from a pre-quantized checkpoint such as chatglm2-6b-int4, whose layers "
-            "are quantized as stored). Call quantize() only on a model with float weights."
-        )
-    if bits not in QUANTIZATION_WIDTHS:
-        raise ValueError(f"quantize(bits={bits!r}): the supported widths are 4 and 8 (0 leaves the model as it is).")
-    if storage == "original":
-        import_companion("quantization_chatglm", model.config).quantize_as_stored(model, bits)
-    else:
-        quantize_linear_layers(model.encoder, bits)
-    return model
 
 
 def guarded(logits_processor) -> LogitsProcessorList:
@@ -3422,40 +2615,6 @@ def check_streamable(config):
                          "chat() / generate() for it.")
 
 
-QUANTIZATION_WIDTHS = (4, 8)
-
-def quantize_linear_layers(module: nn.Module, bits: int):
-    """Weight-only `bits`-bit quantization of the nn.Linear layers in `module`: torchao first (int8 on CPU and
-    CUDA; int4 where torchao has a kernel for the device, e.g. CUDA in bf16), then optimum-quanto."""
-    def plain_linears():
-        return [m for m in module.modules() if type(m) is nn.Linear and type(m.weight) in (nn.Parameter, torch.Tensor)]
-
-    errors, before = [], len(plain_linears())
-    try:
-        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
-
-        quantize_(module, Int8WeightOnlyConfig() if bits == 8 else Int4WeightOnlyConfig(group_size=128))
-        if len(plain_linears()) < before:
-            return
-        errors.append("torchao: quantized no layer (sizes not a multiple of its group size)")
-    except Exception as error:  # not installed, or no kernel for this width and device: try the next library
-        errors.append(f"torchao: {type(error).__name__}: {error}")
-    try:
-        from optimum.quanto import freeze, qint4, qint8, quantize
-
-        quantize(module, weights=qint8 if bits == 8 else qint4)
-        freeze(module)
-        return
-    except Exception as error:
-        errors.append(f"optimum-quanto: {type(error).__name__}: {error}")
-    raise ImportError(
-        f"quantize({bits}) needs torchao (`pip install torchao`) or optimum-quanto (`pip install optimum-quanto`), "
-        "and neither could quantize here (" + "; ".join(errors) + "). Or quantize while loading: "
-        "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)) on CUDA, "
-        "TorchAoConfig(...) or QuantoConfig(weights='int8')."
-    )
-
-
 # ======================================================================================================================
 # Heads
 # ======================================================================================================================
@@ -3465,46 +2624,6 @@ def as_tuple(loss, logits, outputs) -> tuple:
     """The return_dict=False outputs of a head: loss, logits, cache, hidden states, attentions, leaving out None."""
     values = (loss, logits, returned_cache(outputs), outputs.hidden_states, outputs.attentions)
     return tuple(v for v in values if v is not None)
-
-
-def check_targets(name: str, targets: Optional[torch.Tensor], logits: torch.Tensor):
-    """labels / shift_labels: integer ids [batch, sequence], one per logits position."""
-    if targets is None:
-        return
-    if not isinstance(targets, torch.Tensor) or targets.shape != logits.shape[:2] \
-            or targets.is_floating_point() or targets.dtype == torch.bool:
-        got = f"shape {list(targets.shape)}, dtype {targets.dtype}" if isinstance(targets, torch.Tensor) \
-            else repr(targets)
-        raise ValueError(f"{name} must be an integer tensor {list(logits.shape[:2])} (batch, sequence: one target "
-                         f"per position of the logits, also with logits_to_keep); got {got}.")
-
-
-def check_target_values(labels, shift_labels, vocab_size: int, ignore_index: int) -> bool:
-    """Each target a token id of the vocabulary or `ignore_index` (an id out of range would end in a CUDA device-side
-    assert); returns whether no position has a target at all. Values are read with one host sync unless compiling:
-    targets come with training forwards, never with decode steps. Both on one device."""
-    if is_tracing():
-        return False
-    given = {name: targets for name, targets in (("labels", labels), ("shift_labels", shift_labels))
-             if targets is not None}
-    out_of_range = {name: (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-                    for name, targets in given.items()}
-    scored = shift_labels if shift_labels is not None else labels[..., 1:]  # the loss's targets
-    flags = torch.stack([bad.any() for bad in out_of_range.values()] + [(scored == ignore_index).all()]).tolist()
-    for (name, bad), flagged in zip(out_of_range.items(), flags):
-        if flagged:
-            raise ValueError(f"{name} holds {int(given[name][bad][0])}, neither a token id in [0, {vocab_size}) nor "
-                             f"ignore_index ({ignore_index}): mark positions without a target with {ignore_index}.")
-    return flags[-1]
-
-
-def warn_nothing_scored(ignore_index: int):
-    """Every target ignored: the mean over no token is NaN, as in the original; said once, with the usual cause."""
-    logger.warning_once(
-        f"loss is NaN: every label is ignore_index ({ignore_index}), so no token has a target. The usual cause is "
-        "truncation: the prompt filled max_length and the answer was cut away. Raise max_length or shorten the prompt "
-        "(or drop such examples)."
-    )
 
 
 def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -3616,17 +2735,19 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
     def lm_loss(self, logits, labels, shift_labels=None, ignore_index=-100, num_items_in_batch=None):
         """transformers' causal-LM loss (compatibility layer), with the targets and the item count on the logits'
         device."""
-        vocab_size = self.config.padded_vocab_size
+        vocab_size, checks = self.config.padded_vocab_size, load_checks(self.config)
         for name, targets in (("labels", labels), ("shift_labels", shift_labels)):
-            check_targets(name, targets, logits)
+            if checks is not None:
+                checks.check_targets(name, targets, logits)
         labels, shift_labels = device_boundary(labels, logits.device), device_boundary(shift_labels, logits.device)
-        nothing_scored = check_target_values(labels, shift_labels, vocab_size, ignore_index)
+        nothing_scored = checks is not None and not is_tracing() and checks.check_target_values(
+            labels, shift_labels, vocab_size, ignore_index)  # (values: read with a host sync)
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = device_boundary(num_items_in_batch, logits.device)
         loss = causal_lm_loss(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
                               ignore_index=ignore_index, shift_labels=shift_labels)
         if nothing_scored and bool(loss.isnan()):  # a host sync only when no position has a target
-            warn_nothing_scored(ignore_index)
+            checks.warn_nothing_scored(ignore_index)
         return loss
 
     def generate(self, inputs=None, *args, **kwargs):
@@ -3648,7 +2769,8 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         for name in ("input_ids", "attention_mask", "position_ids", "inputs_embeds"):
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = device_boundary(kwargs[name], device)
-        kwargs = reserve_static_cache_room(self, inputs, kwargs, prefix_length(self))  # P-tuning v2
+        if prefix_length(self):  # P-tuning v2: a static cache with room for the prefix
+            kwargs = ptuning(self.config).reserve_static_cache_room(self, inputs, kwargs)
         warn_beyond_seq_length(self.config, kwargs.get("max_new_tokens"),
                                kwargs.get("generation_config") or self.generation_config)
         with quiet_device_type_check(self, device):
@@ -3660,9 +2782,12 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         it returns hold the cache as `past_key_values` on every release: PEFT (0.12 to 0.21, the newest) looks for it
         there and puts its prefix-tuning prefix there, so under 5.24's `cache` a prefix would come as a second cache."""
         past_key_values = caller_cache(past_key_values, kwargs.pop("cache", None))
-        if inputs_embeds is None:  # the cache holds the ids but the newest (and the prefix slots): no host sync
-            check_cache_room(past_key_values, input_ids.shape[-1] + prefix_length(self),
-                             f"the {input_ids.shape[-1]} tokens of the sequence so far")
+        checks = load_checks(self.config)
+        if inputs_embeds is None and checks is not None:  # the cache holds the ids but the newest (and the prefix
+            # slots): no host sync
+            checks.check_cache_room(max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None,
+                                    input_ids.shape[-1] + prefix_length(self),
+                                    f"the {input_ids.shape[-1]} tokens of the sequence so far")
         if position_ids is not None and inputs_embeds is None and position_ids.shape[-1] < input_ids.shape[-1]:
             position_ids = extend_position_ids(position_ids, input_ids.shape[-1])
         if _HAS_GENERIC_PREPARE_INPUTS:

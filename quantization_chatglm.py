@@ -1,9 +1,10 @@
 """Pre-quantized weights: the storage of chatglm2-6b-int4 / codegeex2-6b-int4 and of every checkpoint the original's
 `model.quantize(4 or 8)` + `save_pretrained` wrote (`quantization_bit: 4` or `8` in config.json).
 
-A companion file of modeling_chatglm.py, imported only for such a checkpoint and for the opt-ins that use torch's
-packed kernels on a float model: quantize(bits, storage="original"), quantize_output_layer(bits) and
-use_cpu_packed_weights() (oneDNN's blocked layout for 16-bit weights on a CPU; see the end of this file). Not named
+A companion file of modeling_chatglm.py, imported only for such a checkpoint and for quantizing a float model:
+quantize(bits) (through torchao or optimum-quanto, or in the original's storage with storage="original"),
+quantize_output_layer(bits), and use_cpu_packed_weights() (oneDNN's blocked layout for 16-bit weights on a CPU; see the
+end of this file). Not named
 quantization.py: the int4 folders ship the original's own quantization.py (cpm_kernels), which this file does not
 replace.
 
@@ -607,7 +608,66 @@ def int8_kernel_works(device: torch.device) -> bool:
         return False
 
 
-# ---- quantizing a float model: the blocks (quantize(bits, storage="original")), the output layer (opt-in) ----
+# ---- quantizing a float model: the blocks (quantize(bits)), the output layer (opt-in) ----
+
+QUANTIZE_STORAGES = ("library", "original")
+
+
+def quantize(transformer: nn.Module, bits: int, storage: str = "library"):
+    """The original's quantize(bits) of the base model (ChatGLMModel): the blocks' linear layers, weight-only, through a
+    maintained library (torchao, else optimum-quanto) or in the original's own storage ("original"); 0 leaves the
+    model as it is."""
+    if storage not in QUANTIZE_STORAGES:
+        raise ValueError(f"quantize(storage={storage!r}): choose 'library' (torchao or optimum-quanto) or 'original' "
+                         "(the original's int8 codes and per-row scales, run by torch's int8/int4 kernels).")
+    if bits == 0:
+        return
+    if getattr(transformer.config, "quantization_bit", 0):
+        raise ValueError(
+            f"quantize({bits}): this model is already quantized (quantization_bit="
+            f"{transformer.config.quantization_bit} in config.json: it was loaded from a pre-quantized checkpoint such "
+            "as chatglm2-6b-int4, whose layers are quantized as stored). Call quantize() only on a model with float "
+            "weights."
+        )
+    if bits not in QUANTIZED_WIDTHS:
+        raise ValueError(f"quantize(bits={bits!r}): the supported widths are 4 and 8 (0 leaves the model as it is).")
+    if storage == "original":
+        quantize_as_stored(transformer, bits)
+    else:
+        quantize_with_library(transformer.encoder, bits)
+
+
+def quantize_with_library(module: nn.Module, bits: int):
+    """Weight-only `bits`-bit quantization of the nn.Linear layers in `module`: torchao first (int8 on CPU and
+    CUDA; int4 where torchao has a kernel for the device, e.g. CUDA in bf16), then optimum-quanto."""
+    def plain_linears():
+        return [m for m in module.modules() if type(m) is nn.Linear and type(m.weight) in (nn.Parameter, torch.Tensor)]
+
+    errors, before = [], len(plain_linears())
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+        quantize_(module, Int8WeightOnlyConfig() if bits == 8 else Int4WeightOnlyConfig(group_size=128))
+        if len(plain_linears()) < before:
+            return
+        errors.append("torchao: quantized no layer (sizes not a multiple of its group size)")
+    except Exception as error:  # not installed, or no kernel for this width and device: try the next library
+        errors.append(f"torchao: {type(error).__name__}: {error}")
+    try:
+        from optimum.quanto import freeze, qint4, qint8, quantize as quanto_quantize
+
+        quanto_quantize(module, weights=qint8 if bits == 8 else qint4)
+        freeze(module)
+        return
+    except Exception as error:
+        errors.append(f"optimum-quanto: {type(error).__name__}: {error}")
+    raise ImportError(
+        f"quantize({bits}) needs torchao (`pip install torchao`) or optimum-quanto (`pip install optimum-quanto`), "
+        "and neither could quantize here (" + "; ".join(errors) + "). Or quantize while loading: "
+        "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)) on CUDA, "
+        "TorchAoConfig(...) or QuantoConfig(weights='int8')."
+    )
+
 
 QUANTIZED_LAYERS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")  # what the original quantizes
 
@@ -644,9 +704,12 @@ def float_storage(module, state_dict, prefix, local_metadata):
 
 
 def quantize_output_layer(transformer: nn.Module, bits: int) -> QuantizedHead:
-    """ChatGLMForConditionalGeneration.quantize_output_layer: `transformer.output_layer` replaced by its `bits`-bit
-    codes (the original's per-row arithmetic), on torch's packed kernel where it has one for the device (any compute
-    dtype: bf16 activations), else the exact path. Refused where the output layer is tied to the input embedding
+    """ChatGLMForConditionalGeneration.quantize_output_layer, an opt-in: `transformer.output_layer` (the logits,
+    151552 x 4096 for GLM-4) replaced by its `bits`-bit codes (the original's per-row arithmetic), on torch's packed
+    kernel where it has one for the device (any compute dtype: bf16 activations), else the exact path. For checkpoints
+    that keep it in 16 bits (chatglm2-6b-int4 keeps it in fp16), where it is most of the bytes a decode step reads. It
+    moves the logits (docs/speed-and-memory.md: measured deviation); save_pretrained writes it as float weights again,
+    the values of the codes. Refused where the output layer is tied to the input embedding
     (quantizing it would untie them) or is quantized already."""
     head = transformer.output_layer
     if bits not in QUANTIZED_WIDTHS:
@@ -662,6 +725,25 @@ def quantize_output_layer(transformer: nn.Module, bits: int) -> QuantizedHead:
         layer.use_kernel("auto", head.weight.dtype)
     transformer.output_layer = layer
     return layer
+
+
+def use_model_kernel(model: nn.Module, kernel: str = "packed") -> int:
+    """model.use_quantized_kernel(kernel): "packed", torch's int4 or int8 weight-only kernel on bf16 activations for
+    decode (the default in bf16/fp16 models, where torch has it for the device; an opt-in in fp32,
+    docs/quantized-checkpoints.md: its deviation), "exact" (the original's arithmetic), "auto" (what from_pretrained
+    chose). A move to another device keeps the choice (the layers pack again there). Returns how many layers run
+    packed."""
+    bits = getattr(model.config, "quantization_bit", 0)
+    if not bits:
+        raise ValueError(
+            f"use_quantized_kernel({kernel!r}): this model's weights are not pre-quantized (quantization_bit={bits}); "
+            "it applies to checkpoints such as chatglm2-6b-int4.")
+    packed = use_kernel(model, kernel, model.dtype)
+    if kernel == "packed" and not packed:
+        raise ValueError(
+            f"use_quantized_kernel('packed'): torch {torch.__version__} has no int{bits} kernel for "
+            f"{model.device.type} that takes this model's quantized layers: use 'exact', or a newer torch.")
+    return packed
 
 
 def use_kernel(model: nn.Module, kernel: str, dtype: torch.dtype) -> int:
@@ -827,8 +909,12 @@ def onednn_works() -> bool:
 def use_cpu_packed_weights(model: nn.Module, enable: bool = True) -> int:
     """ChatGLMPreTrainedModel.use_cpu_packed_weights: every plain nn.Linear of `model` (the blocks' layers and the
     output layer; not quantized ones) made a OneDnnLinear, or back to nn.Linear (the copies dropped). Returns how
-    many layers are OneDnnLinear now. Refused for a 16-bit model where torch has no oneDNN linear on this CPU (its
-    paths would be the eager ones); an fp32 model needs none."""
+    many layers are OneDnnLinear now. bf16/fp16: calls of up to 32 rows without autograd multiply by the weight in
+    oneDNN's blocked layout (one bf16 row takes torch's matrix-vector kernel instead, and no copy); the copy costs those
+    weights' bytes again. Refused for a 16-bit model where torch has no oneDNN linear on this CPU (AVX2 without
+    AVX-512: its paths would be the eager ones). fp32: one row's product over blocks of output rows, one per torch
+    thread, no copy (torch's fp32 one-row product ran on one thread on an AVX2 AMD EPYC). Measured:
+    docs/speed-and-memory.md. The parameters and the state dict stay as they are."""
     if enable and model.dtype != torch.float32 and not onednn_works():
         raise ValueError(f"use_cpu_packed_weights(): torch {torch.__version__} has no working oneDNN linear with "
                          "prepacked weights on this CPU (torch.backends.mkldnn, torch.ops.mkldnn._linear_pointwise) "

@@ -1311,22 +1311,21 @@ CHATGLM2_FORM = {
 # ---- THUDM checkpoint variants: the same literal as in modeling_chatglm.py -------------------------------------------
 # Each file must work copied alone, so neither imports it from the other; tests/test_variants.py checks the two are
 # equal. This file reads `tokenizer` (which form a ChatGLMTokenizer takes) and `chat` (its chat format); the model
-# reads `rotary` and `weights`. The columns are described in modeling_chatglm.py.
+# reads `rotary` and `chat`. The columns are described in modeling_chatglm.py.
 CHECKPOINT_VARIANTS = {
-    "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
-    "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", weights="float", chat="rounds",
-                            fields={"rope_ratio": 16}),
-    "chatglm2-6b-int4": dict(rotary="base", tokenizer="chatglm2", weights="int4", chat="rounds", fields={}),
-    "codegeex2-6b": dict(rotary="base", tokenizer="chatglm2", weights="float", chat="rounds", fields={}),
-    "chatglm3-6b": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "chatglm3-6b-base": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "chatglm3-6b-32k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "chatglm3-6b-128k": dict(rotary="base", tokenizer="chatglm3", weights="float", chat="roles", fields={}),
-    "glm-4-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "glm-4-9b-chat": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "glm-4-9b-chat-1m": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "codegeex4-all-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
-    "glm-4v-9b": dict(rotary="base", tokenizer="glm4", weights="float", chat="template", fields={}),
+    "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
+    "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", chat="rounds", fields={"rope_ratio": 16}),
+    "chatglm2-6b-int4": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
+    "codegeex2-6b": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
+    "chatglm3-6b": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "chatglm3-6b-base": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "chatglm3-6b-32k": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "chatglm3-6b-128k": dict(rotary="base", tokenizer="chatglm3", chat="roles", fields={}),
+    "glm-4-9b": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "glm-4-9b-chat": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "glm-4-9b-chat-1m": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "codegeex4-all-9b": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
+    "glm-4v-9b": dict(rotary="base", tokenizer="glm4", chat="template", fields={}),
 }
 
 

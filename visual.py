@@ -2,8 +2,8 @@
 
 modeling_chatglm.py loads this file (`import_companion("visual")`) only for a config with `vision_config`; text
 models never import it. This file imports nothing of modeling_chatglm.py (no import loop): what it uses of the
-language model (device boundaries, default positions, the cache's image-row count) is handed in as
-`LanguageModelCallbacks`. Module names and state-dict keys are the original's (`transformer.vision.patch_embedding`,
+language model (device boundaries, default positions) is handed in as `LanguageModelCallbacks`; the cache's
+image-row count is kept on the cache here (`IMAGE_ROWS_ATTRIBUTE`). Module names and state-dict keys are the original's (`transformer.vision.patch_embedding`,
 `transformer.vision.transformer.layers.N.attention.query_key_value`, `transformer.vision.linear_proj.gate_proj`,
 `transformer.vision.boi`, ...), so a glm-4v-9b checkpoint loads with no missing or unexpected key.
 
@@ -34,8 +34,6 @@ class LanguageModelCallbacks:
     device_boundary: Callable  # (tensor, device) -> tensor on device: every device crossing
     execution_device: Callable  # module -> the device it computes on
     default_position_ids: Callable  # (token mask, positions, new tokens) -> positions counting real tokens only
-    image_rows_in_cache: Callable  # cache -> rows an image added to its sequence, None where not recorded
-    record_image_rows: Callable  # (cache, rows): kept for the later steps of the same sequence
 
 
 # ======================================================================================================================
@@ -296,7 +294,7 @@ class EVA2CLIPModel(nn.Module):
         attention_mask); text without an image passes through unchanged."""
         query_length = inputs_embeds.shape[1]
         callbacks = self.callbacks
-        added_before = rows_added_before(callbacks.image_rows_in_cache(past_key_values), past_key_values,
+        added_before = rows_added_before(getattr(past_key_values, IMAGE_ROWS_ATTRIBUTE, None), past_key_values,
                                          attention_mask, past_length + query_length)
         layout = None
         if images is not None and not added_before:  # one image per sequence: later images are generate()'s repeats
@@ -304,7 +302,7 @@ class EVA2CLIPModel(nn.Module):
             if layout is not None:
                 check_rows_fit(past_key_values, attention_mask)
         if past_key_values is not None and (layout is not None or added_before is None):  # for the later steps
-            callbacks.record_image_rows(past_key_values, (added_before or 0) + (layout.added if layout else 0))
+            setattr(past_key_values, IMAGE_ROWS_ATTRIBUTE, (added_before or 0) + (layout.added if layout else 0))
         if layout is None and not added_before:
             return inputs_embeds, position_ids, check_mask_covers(attention_mask, past_length, query_length, 0)
 
@@ -407,6 +405,12 @@ class ImageRows:
 
 def is_token_layout(attention_mask, token_length: int) -> bool:
     return attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == token_length
+
+
+# How many rows images added to the sequence a cache holds (an image's N + 2 rows replace its 3 tokens), written by the
+# step that spliced the image in and read by later steps. Kept on the cache object itself: the one thing that lives
+# exactly as long as those rows and is copied with them (copy.deepcopy of a prompt cache, beam reordering).
+IMAGE_ROWS_ATTRIBUTE = "chatglm_image_rows_added"
 
 
 def rows_added_before(recorded: Optional[int], past_key_values, attention_mask, row_length: int) -> Optional[int]:

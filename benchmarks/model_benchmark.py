@@ -552,7 +552,7 @@ def weight_check(results, models, args, clock, fork_folder=None):
     the model just loaded (a checkpoint loaded in its own dtype stays memory-mapped on 5.x: the check is then the
     first read of its pages), medians of a few rounds; or with --in-memory, the check against the build of the
     models (no checkpoint is read)."""
-    check = sys.modules[type(models["fork"]).__module__].check_finite_weights
+    check = sys.modules[type(models["fork"]).__module__].import_companion("checks_chatglm").check_finite_weights
     rounds = max(args.rounds // 2, 1)
     if fork_folder is None:
         loads, what = [args.build_seconds], "building the models in memory"

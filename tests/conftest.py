@@ -185,6 +185,7 @@ def chatglm(tmp_path_factory):
     return SimpleNamespace(
         ChatGLMConfig=importlib.import_module("chatglm_under_test.configuration_chatglm").ChatGLMConfig,
         modeling=importlib.import_module("chatglm_under_test.modeling_chatglm"),
+        checks=importlib.import_module("chatglm_under_test.checks_chatglm"),  # the load checks (a companion file)
     )
 
 

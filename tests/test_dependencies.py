@@ -11,13 +11,11 @@ import sys
 import pytest
 from transformers.dynamic_module_utils import get_imports
 
-from conftest import REAL_VOCABULARY, REPO, save_checkpoint
+from conftest import CODE_FILES, REAL_VOCABULARY, REPO, save_checkpoint
 from tokenizer_fixtures import make_tokenizer_folder
 
 DEPENDENCIES = {"torch", "transformers", "accelerate", "safetensors", "sentencepiece", "tiktoken"}
 OPTIONAL = ("PIL", "peft", "torchao", "optimum", "trl", "torchvision", "bitsandbytes")
-CODE_FILES = ("modeling_chatglm.py", "configuration_chatglm.py", "tokenization_chatglm.py", "visual.py",
-              "parallel_chatglm.py")
 
 
 @pytest.mark.parametrize("name", CODE_FILES)

@@ -54,7 +54,7 @@ def test_balanced_device_map_is_complete_contiguous_and_balanced(chatglm, device
     names = [f"cuda:{i}" for i in range(devices)]
     device_map = chatglm.modeling.balanced_device_map(config, names)
     model = meta_model(chatglm, config)
-    chatglm.modeling.check_device_map(model, device_map)  # complete, nothing unknown, no block split
+    chatglm.checks.check_device_map(model, device_map)  # complete, nothing unknown, no block split
     layer_devices = [device_map[f"transformer.encoder.layers.{i}"] for i in range(config.num_layers)]
     assert layer_devices == sorted(layer_devices, key=names.index)  # contiguous runs
     assert device_map["transformer.embedding"] == names[0] and device_map["transformer.output_layer"] == names[-1]
@@ -99,7 +99,7 @@ def test_device_map_that_splits_a_block_is_refused(chatglm):
     device_map["transformer.encoder.layers.1.input_layernorm"] = "cpu"
     device_map["transformer.encoder.layers.1.post_attention_layernorm"] = "cpu"
     with pytest.raises(ValueError, match="splits blocks.*transformer.encoder.layers.1"):
-        chatglm.modeling.check_device_map(model, device_map)
+        chatglm.checks.check_device_map(model, device_map)
 
 
 # --- split over virtual devices vs one device ------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def test_glm4v_9b_device_maps_keep_vision_blocks_whole(chatglm, devices):
                                  dtype=torch.bfloat16)
     balanced = chatglm.modeling.balanced_device_map(config, [f"cuda:{i}" for i in range(devices)])
     for device_map in (auto, balanced):
-        chatglm.modeling.check_device_map(model, device_map)  # complete, known names, no block split
+        chatglm.checks.check_device_map(model, device_map)  # complete, known names, no block split
     assert len(set(balanced.values())) == devices and balanced["transformer.vision"] == "cuda:0"
     vision_blocks = {name for name in auto if name.startswith("transformer.vision.transformer.layers.")}
     assert vision_blocks or "transformer.vision" in auto or "transformer" in auto

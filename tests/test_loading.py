@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (REPO, TRANSFORMERS, Version, copy_code_into, load_causal_lm, save_checkpoint, shared_path,
-                      tiny_config_dict)
+from conftest import (CODE_FILES, REAL_VOCABULARY, REPO, TRANSFORMERS, LoggedMessages, Version, copy_code_into,
+                      load_causal_lm, save_checkpoint, shared_path, tiny_config_dict)
 
 REAL_CONFIGS = ("glm-4-9b-chat", "glm-4-9b-chat-1m", "glm-4-9b", "chatglm3-6b")
 ORIGINAL_AUTO_MAP = {
@@ -258,7 +258,7 @@ from original_code import original_configuration_source  # noqa: E402
 def original_folder_with_our_modeling(golden, tmp_path, configuration_source=None):
     """The golden checkpoint as a user has it (the original configuration_chatglm.py), with only our
     modeling_chatglm.py copied in."""
-    folder = tmp_path / f"one_file_{golden.family}"
+    folder = tmp_path / f"one_file_{golden.name.replace('-', '_')}"  # a package of its own per case
     folder.mkdir()
     for path in golden.folder.iterdir():
         if path.suffix != ".py":
@@ -269,9 +269,24 @@ def original_folder_with_our_modeling(golden, tmp_path, configuration_source=Non
     return folder
 
 
+def companions_imported(model) -> list:
+    """The companion files imported for `model`'s code (its package's modules beside modeling_chatglm)."""
+    package = type(model).__module__.rsplit(".", 1)[0]
+    return sorted(name.rsplit(".", 1)[1] for name in sys.modules
+                  if name.rsplit(".", 1)[0] == package and name.rsplit(".", 1)[1] + ".py" in CODE_FILES
+                  and name.rsplit(".", 1)[1] not in ("modeling_chatglm", "configuration_chatglm"))
+
+
 def test_modeling_file_copied_alone_gives_the_golden_numbers(golden, tmp_path):
+    """Without its companion files the model loads, runs and generates; the load and input checks are skipped, which
+    is said once, and no companion file is imported."""
     folder = original_folder_with_our_modeling(golden, tmp_path)
-    model = load_causal_lm(folder, attn_implementation="eager")
+    with LoggedMessages("transformers_modules") as log:
+        model = load_causal_lm(folder, attn_implementation="eager")
+        with torch.no_grad():
+            model(input_ids=golden.expected["seq_0_input_ids"][None])
+    assert len([m for m in log.messages if "checks_chatglm.py is not beside modeling_chatglm.py" in m]) == 1
+    assert companions_imported(model) == []
     assert type(model.config).__name__ == "ChatGLMConfig" and not hasattr(type(model.config), "validate_chatglm")
     expected = golden.expected
     with torch.no_grad():
@@ -303,6 +318,61 @@ def test_modeling_file_copied_alone_names_the_file_tensor_parallelism_needs(gold
     folder = original_folder_with_our_modeling(golden, tmp_path)
     with pytest.raises(ImportError, match=r"parallel_chatglm\.py beside modeling_chatglm\.py"):
         load_causal_lm(folder, tp_plan="auto")
+
+
+@pytest.mark.parametrize("family", ["glm4", "chatglm3"])
+def test_modeling_file_copied_alone_chats_as_with_every_file(tiny_model, family, tmp_path, request):
+    """chat() and stream_chat() with modeling_chatglm.py alone beside the original configuration class answer what
+    the model with all the code files answers."""
+    tokenizer = request.getfixturevalue({"glm4": "glm4_tokenizer", "chatglm3": "chatglm3_tokenizer"}[family])
+    model = tiny_model(family, padded_vocab_size=REAL_VOCABULARY[family], num_layers=2)
+    folder = tmp_path / f"chat_one_file_{family}"
+    model.save_pretrained(folder)
+    for path in folder.glob("*.py"):
+        path.unlink()
+    (folder / "configuration_chatglm.py").write_text(original_configuration_source(family))
+    shutil.copy(REPO / "modeling_chatglm.py", folder / "modeling_chatglm.py")
+    alone = load_causal_lm(folder)
+    greedy = dict(do_sample=False, max_length=None, max_new_tokens=6)
+    assert alone.chat(tokenizer, "你好", history=[], **greedy) == model.chat(tokenizer, "你好", history=[], **greedy)
+    assert list(alone.stream_chat(tokenizer, "你好", history=[], **greedy))[-1] == model.chat(
+        tokenizer, "你好", history=[], **greedy)
+    assert companions_imported(alone) == []
+
+
+def test_companion_files_load_from_where_they_are_with_a_read_only_modules_cache(tiny_model, tmp_path):
+    """A companion file is imported from the checkpoint folder it was found in, under the code's package name: the
+    modules cache (read-only here, as in a container image) is not written."""
+    folder = save_checkpoint(tiny_model("glm4"), tmp_path / "read_only_cache")
+    model = load_causal_lm(folder)
+    module = sys.modules[type(model).__module__]
+    cache = Path(module.__file__).parent
+    before = sorted(path.name for path in cache.iterdir())
+    modes = {path: path.stat().st_mode for path in (cache, *cache.iterdir())}
+    try:
+        for path in modes:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        parallel = module.import_companion("parallel_chatglm", model.config)
+        quantization = module.import_companion("quantization_chatglm", model.config)
+    finally:
+        for path, mode in modes.items():
+            path.chmod(mode)
+    assert sorted(path.name for path in cache.iterdir()) == before
+    assert Path(parallel.__file__) == folder / "parallel_chatglm.py" and parallel.__name__ == module.__package__ + \
+        ".parallel_chatglm"
+    assert Path(quantization.__file__) == folder / "quantization_chatglm.py"
+    assert companions_imported(model) == ["checks_chatglm", "parallel_chatglm", "quantization_chatglm"]
+
+
+def test_a_model_without_a_prefix_never_imports_the_ptuning_file(tiny_model, tmp_path):
+    model = load_causal_lm(save_checkpoint(tiny_model("chatglm3"), tmp_path / "no_prefix"))
+    with torch.no_grad():
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    model.gradient_checkpointing_enable()
+    assert "ptuning_chatglm" not in companions_imported(model)
+    with pytest.raises(ValueError, match="no P-tuning v2 prefix"):
+        model.save_prefix_encoder(tmp_path / "prefix")
+    assert "ptuning_chatglm" not in companions_imported(model)
 
 
 def test_companion_file_in_the_folder_is_found_and_saved_with_the_model(golden, golden_model, tmp_path):
@@ -701,8 +771,8 @@ def test_after_a_download_the_loaded_model_is_checked(tiny_model, chatglm, tmp_p
     model = tiny_model("glm4")
     file = write_weights(model, tmp_path / "checkpoint", {QKV: model.state_dict()[QKV].to(torch.int16)})
     with pytest.raises(ValueError, match=rf"^{re.escape(QKV)} is stored as int16 in {re.escape(str(file))};"):
-        chatglm.modeling.check_stored_dtypes(file.parent, {}, model)
-    assert chatglm.modeling.check_stored_dtypes(tmp_path / "elsewhere", {}, model) is False
+        chatglm.checks.check_stored_dtypes(file.parent, {}, model)
+    assert chatglm.checks.check_stored_dtypes(tmp_path / "elsewhere", {}, model) is False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -763,18 +833,17 @@ def test_finite_weights_whose_sum_overflows_load(tiny_model, tmp_path):
 def test_weights_this_process_does_not_hold_are_not_read(tiny_model, chatglm, tmp_path):
     """Weights offloaded by a device map (meta tensors) and integer storage (int8/int4 codes) are skipped; the
     floating weights held are checked."""
-    modeling = chatglm.modeling
     with torch.device("meta"):
-        offloaded = modeling.ChatGLMForConditionalGeneration(tiny_model("glm4").config)
-    modeling.check_finite_weights(offloaded, "offloaded")
+        offloaded = chatglm.modeling.ChatGLMForConditionalGeneration(tiny_model("glm4").config)
+    chatglm.checks.check_finite_weights(offloaded, "offloaded")
     model = tiny_model("glm4")
     model.transformer.encoder.layers[0].mlp.dense_4h_to_h.weight_codes = torch.nn.Parameter(
         torch.full((4, 4), 7, dtype=torch.int8), requires_grad=False)
-    modeling.check_finite_weights(model, "codes")
+    chatglm.checks.check_finite_weights(model, "codes")
     with torch.no_grad():
         model.transformer.output_layer.weight[3, 4] = float("nan")
     with pytest.raises(ValueError, match=r"^held: the weight transformer\.output_layer\.weight holds 1 NaN"):
-        modeling.check_finite_weights(model, "held")
+        chatglm.checks.check_finite_weights(model, "held")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

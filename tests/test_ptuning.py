@@ -98,13 +98,17 @@ def test_checkpoint_read_without_pre_seq_len_warns_and_runs_the_base_model(ptuni
 
 
 @pytest.mark.parametrize("original_class", FAMILIES)
-def test_modeling_file_copied_alone_over_a_ptuning_checkpoint(ptuning, tmp_path, original_class):
-    """The original configuration class kept beside our modeling_chatglm.py: ChatGLM3's declares pre_seq_len and
-    prefix_projection, GLM-4's does not (config.json's values become plain attributes). Both give the prefix."""
-    folder = tmp_path / f"ptuning_one_file_{original_class}"
+def test_modeling_and_ptuning_files_copied_over_a_ptuning_checkpoint(ptuning, tmp_path, original_class):
+    """The original configuration class kept beside our modeling_chatglm.py and ptuning_chatglm.py: ChatGLM3's
+    declares pre_seq_len and prefix_projection, GLM-4's does not (config.json's values become plain attributes). Both
+    give the prefix; the modeling file alone names the file the prefix needs."""
+    folder = tmp_path / f"ptuning_two_files_{original_class}"
     shutil.copytree(ptuning.folder, folder, ignore=shutil.ignore_patterns("*.py"))
     (folder / "configuration_chatglm.py").write_text(original_configuration_source(original_class))
     shutil.copy(REPO / "modeling_chatglm.py", folder / "modeling_chatglm.py")
+    with pytest.raises(ImportError, match=r"needs ptuning_chatglm\.py beside modeling_chatglm\.py"):
+        load_causal_lm(folder, attn_implementation="eager")
+    shutil.copy(REPO / "ptuning_chatglm.py", folder / "ptuning_chatglm.py")
     model = load_causal_lm(folder, attn_implementation="eager")
     assert not hasattr(type(model.config), "validate_chatglm")
     with torch.no_grad():
@@ -312,7 +316,7 @@ def test_balanced_device_map_places_the_prefix_encoder(chatglm):
     device_map = chatglm.modeling.balanced_device_map(config, ["cuda:0", "cuda:1"])
     assert device_map["transformer.prefix_encoder"] == device_map["transformer.embedding"]
     with torch.device("meta"):
-        chatglm.modeling.check_device_map(chatglm.modeling.ChatGLMForConditionalGeneration(config), device_map)
+        chatglm.checks.check_device_map(chatglm.modeling.ChatGLMForConditionalGeneration(config), device_map)
 
 
 # --- bad input -----------------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_labels_all_ignored_give_the_originals_nan_and_warn_once_with_the_cause(
     ignored = torch.full_like(labels, -100)
     if targets == "labels":  # the first label is never a target (it is shifted away)
         ignored[:, 0] = labels[:, 0]
-    with torch.no_grad(), LoggedMessages(type(model).__module__) as log:
+    with torch.no_grad(), LoggedMessages(type(model).__module__.rpartition(".")[0]) as log:
         losses = [model(input_ids=ids, **{targets: ignored}).loss for _ in range(2)]
     assert all(torch.isnan(loss) for loss in losses)
     assert torch.isnan(F.cross_entropy(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)))  # the original's loss
@@ -161,7 +161,7 @@ def test_labels_ignored_only_in_part_or_summed_give_a_number_and_no_warning(tiny
     else:
         labels[:] = -100
         extra = {"num_items_in_batch": torch.tensor(40)}
-    with torch.no_grad(), LoggedMessages(type(model).__module__) as log:
+    with torch.no_grad(), LoggedMessages(type(model).__module__.rpartition(".")[0]) as log:
         out = model(input_ids=ids, labels=labels, **extra)
     torch.testing.assert_close(out.loss, written_out_loss(out.logits, labels, **extra))
     assert torch.isfinite(out.loss) and not nothing_scored_warnings(log)

@@ -25,7 +25,7 @@ SHARED = Path(os.environ.get("CHATGLM_SHARED_DIR") or DATA).resolve()
 # The files a user copies over a downloaded checkpoint (the installer, the demo, the tests and the benchmarks read this
 # list). A companion file added here later is installed by the installer's next run, its original kept like the others.
 CODE_FILES = ("configuration_chatglm.py", "modeling_chatglm.py", "tokenization_chatglm.py", "parallel_chatglm.py",
-              "visual.py", "quantization_chatglm.py")
+              "visual.py", "quantization_chatglm.py", "ptuning_chatglm.py", "checks_chatglm.py")
 
 
 def shared_path(*parts) -> Path:
