@@ -75,6 +75,7 @@ from torch.fx._symbolic_trace import is_fx_tracing  # (is_tracing)
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import (
+    GenerationConfig,
     GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
@@ -3502,6 +3503,21 @@ def warn_beyond_seq_length(config, max_new_tokens, generation_config):
         )
 
 
+def settings_aliased_by_a_tool(config) -> bool:
+    """Whether the generation settings transformers finds on the model config are all aliases of its own fields:
+    GPTQModel's load maps a ChatGLM config's `max_length` to `seq_length` (config.attribute_map), for older remote
+    code that read it. transformers 5 takes any generation setting on the model config for the legacy way of
+    steering generate() and raises when no generation_config is passed."""
+    settings = getattr(config, "_get_generation_parameters", lambda: {})()
+    aliases = getattr(config, "attribute_map", None) or {}
+    return bool(settings) and all(name in aliases for name in settings)
+
+
+# Releases whose GenerationConfig() leaves every setting unset (5.x) fill what a passed one leaves unset from the
+# model's generation config, then the library defaults, then the call's arguments: the same settings as passing none.
+_GENERATION_CONFIG_FILLED_LIKE_NONE = GenerationConfig().max_length is None
+
+
 class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, GenerationMixin):
     loss_type = "ForCausalLM"
     _tied_weights_keys = tied_weights_keys("transformer.output_layer.weight",
@@ -3626,6 +3642,10 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         kwargs = reserve_static_cache_room(self, inputs, kwargs, prefix_length(self))  # P-tuning v2
         warn_beyond_seq_length(self.config, kwargs.get("max_new_tokens"),
                                kwargs.get("generation_config") or self.generation_config)
+        if kwargs.get("generation_config") is None and _GENERATION_CONFIG_FILLED_LIKE_NONE \
+                and settings_aliased_by_a_tool(self.config):
+            # An empty config gets the settings transformers gives a call without one (a tool's alias is no setting)
+            kwargs["generation_config"] = GenerationConfig()
         with quiet_device_type_check(self, device):
             return super().generate(inputs, **kwargs)
 
