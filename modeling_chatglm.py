@@ -71,7 +71,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from torch.fx._symbolic_trace import is_fx_tracing  # (is_tracing)
+try:  # (is_tracing) torch releases with is_fx_symbolic_tracing (2.13, 2.15) log a warning at is_fx_tracing's first
+    # call in a process: the first forward of every program
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing as is_fx_tracing
+except ImportError:  # torch 2.4: no such warning
+    from torch.fx._symbolic_trace import is_fx_tracing
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import (
