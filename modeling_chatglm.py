@@ -701,7 +701,10 @@ def check_attention_mask_values(attention_mask):
 
 def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values):
     """Shapes and dtypes of the base model's inputs, each error naming the argument and the shape it must have. Reads
-    shapes only (no host sync); token id values are checked separately (check_token_ids)."""
+    shapes only (no host sync); token id values are checked separately (check_token_ids). Not while tracing: torch.fx
+    hands proxies, not tensors (llm-compressor's default pipeline)."""
+    if is_tracing():
+        return
 
     def refuse(name, tensor, expected):
         got = f"shape {list(tensor.shape)}, dtype {tensor.dtype}" if isinstance(tensor, torch.Tensor) else repr(tensor)
@@ -970,8 +973,10 @@ def check_stored_dtypes(source, kwargs: dict, model) -> bool:
 
 
 def device_boundary(tensor: Optional[torch.Tensor], device: Optional[torch.device]) -> Optional[torch.Tensor]:
-    """Every crossing of a tensor to another device in this file goes through here (None: stay)."""
-    if tensor is None or device is None or tensor.device == device:
+    """Every crossing of a tensor to another device in this file goes through here (None: stay). A torch.fx proxy
+    (llm-compressor's trace) has no device of its own: it stays, as the original's tensors do (the device hooks of
+    accelerate move them)."""
+    if tensor is None or device is None or not isinstance(tensor, torch.Tensor) or tensor.device == device:
         return tensor
     return tensor.to(device)
 
@@ -2401,16 +2406,18 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         `cache` is transformers 5.24's name for `past_key_values` (pass one of the two).
         Keyword arguments the model does not read go to the attention kernel (attention backends pass theirs so)."""
         past_key_values = caller_cache(past_key_values, cache)
-        config = self.config
-        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-        return_dict = return_dict if return_dict is not None else config.return_dict
+        # self.config, not a local name: llm-compressor's rewrite of this forward resolves `self.config.x` when it
+        # rewrites it; a config held in a local variable becomes a value of its traced graph, which it cannot keep
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else self.config.output_hidden_states)
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
         check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values)
         use_cache = self.cache_in_use(use_cache)
         device = execution_device(self.embedding) or (input_ids if input_ids is not None else inputs_embeds).device
         input_ids, inputs_embeds, attention_mask, position_ids = (
             device_boundary(tensor, device) for tensor in (input_ids, inputs_embeds, attention_mask, position_ids))
-        cache, legacy = cache_for_forward(past_key_values, config, use_cache)
+        cache, legacy = cache_for_forward(past_key_values, self.config, use_cache)
         past_length = cache.get_seq_length() if cache is not None else 0
 
         inputs_embeds = self.embed(input_ids, inputs_embeds, attention_mask, past_length)
@@ -2419,7 +2426,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             self, input_ids, inputs_embeds, images, position_ids, attention_mask, cache, past_length)
         prefix = enter_prefix(self, cache, past_length, inputs_embeds.shape[0], inputs_embeds.shape[1])
         mask, layer_inputs = self.layer_inputs(prefix, position_ids, attention_mask, inputs_embeds,
-                                               attention_implementation(config, output_attentions), kwargs,
+                                               attention_implementation(self.config, output_attentions), kwargs,
                                                output_attentions)
         # The original's call of its encoder, with this file's values ("Module contracts"): the kernel's mask, the
         # rotary tables and the kernel as `rotary_pos_emb` (LayerInputs), the Cache object as every layer's cache.
@@ -2431,13 +2438,15 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             inputs_embeds, mask, rotary_pos_emb=rotary, kv_caches=kv_caches, use_cache=use_cache,
             output_hidden_states=output_hidden_states,
         )
-        if config.fp32_residual_connection:
+        if self.config.fp32_residual_connection:
             hidden_states = hidden_states.to(self.compute_dtype)
         outputs = BaseModelOutputWithPast(
             last_hidden_state=hidden_states, **cache_output(cache_to_return(cache, use_cache, legacy)),
             hidden_states=all_hidden_states, attentions=all_attentions,
         )
-        return outputs if return_dict else outputs.to_tuple()
+        if not return_dict:  # (a statement: llm-compressor's rewrite would make the expression a value of its graph)
+            return outputs.to_tuple()
+        return outputs
 
     def cache_in_use(self, use_cache: Optional[bool]) -> bool:
         use_cache = use_cache if use_cache is not None else self.config.use_cache
