@@ -7,7 +7,8 @@
 #   bash scripts/tools_check.sh --families glm4 --tools gptq autoround
 #   bash scripts/tools_check.sh --code /path/to/other/checkout  # another copy of our files (a branch's worktree)
 #   bash scripts/tools_check.sh --original-code glm4=DIR        # also the original files of DIR (never committed
-#                                                               # here): GPTQ's quantized weights compared with ours
+#                                                               # here): the quantized weights compared with ours
+#   TOOLS_BUILD_ONLY=1 bash scripts/tools_check.sh              # only build (or check) the environments
 # Builds three environments under .venv-tools/ (gitignored), reused when they are already there:
 #   openvino/  transformers 4.55.4 (optimum-intel's ChatGLM export accepts 4.51.0 to 4.55.4), openvino, nncf,
 #              optimum-intel installed without its torchvision requirement (the registry's torchvision pulls CUDA
@@ -16,7 +17,7 @@
 #              (0.16.1; transformers loads its GPTQ-format output through GPTQModel)
 #   llmcompressor/  llm-compressor 0.14.0.1 (it pins transformers 5.15.0 to 5.17.0, auto-round <= 0.15.1 and
 #              compressed-tensors 0.19.0) with transformers 5.17.0
-# First run: a few minutes of downloads; the checks themselves take minutes on 2 cores.
+# First run: downloads and installs (40 minutes on a busy 2-core machine); a run of the checks about 45 minutes.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ENVS="$ROOT/.venv-tools"
