@@ -20,7 +20,7 @@ Where to change what (section or file: names):
   the KV cache                  KV cache: `cache_for_forward`, `new_static_cache`; layers write only through
                                 `kv_cache.update` in SelfAttention; checks_chatglm.py: `cached_length` (its checks)
   the KV cache across devices   each layer's keys stay on its device (SelfAttention's update); Devices:
-                                `device_boundary`, and `placed_inputs` (the encoder copies the layers' inputs per device)
+                                `device_boundary`, and `placed_inputs` (the encoder copies layers' inputs per device)
   a device map, or its checks   checks_chatglm.py: `balanced_device_map`, `check_device_map`, `check_devices_exist`
   a new transformers release    Compatibility shims: one flag or function per change, naming the release
   a new THUDM checkpoint        Config and sizes: one row of `CHECKPOINT_VARIANTS` (rotary reading, tokenizer family,
@@ -80,7 +80,7 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
-from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProcessorList
+from transformers.generation import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -605,6 +605,8 @@ def check_supported(config: ChatGLMConfig):
 
 
 def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values):
+    if is_tracing():  # torch.fx hands proxies, not tensors (llm-compressor's default pipeline)
+        return
     checks = load_checks(model.config)
     if checks is not None:
         capacity = max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None
@@ -629,8 +631,10 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
 
 
 def device_boundary(tensor: Optional[torch.Tensor], device: Optional[torch.device]) -> Optional[torch.Tensor]:
-    """Every crossing of a tensor to another device in this file goes through here (None: stay)."""
-    if tensor is None or device is None or tensor.device == device:
+    """Every crossing of a tensor to another device in this file goes through here (None: stay). A torch.fx proxy
+    (llm-compressor's trace) has no device of its own: it stays, as the original's tensors do (the device hooks of
+    accelerate move them)."""
+    if tensor is None or device is None or not isinstance(tensor, torch.Tensor) or tensor.device == device:
         return tensor
     return tensor.to(device)
 
@@ -1528,8 +1532,8 @@ class GLMTransformer(nn.Module):
             mask, rotary = attention_mask, rotary_pos_emb
             if forward_replaced(layer):
                 mask, rotary = as_original_call(hidden_states, mask, rotary)
-            hidden_states, kv_cache = layer(hidden_states, mask, rotary, kv_cache=kv_caches[index] if kv_caches else None,
-                                            use_cache=use_cache)
+            kv_cache = kv_caches[index] if kv_caches else None
+            hidden_states, kv_cache = layer(hidden_states, mask, rotary, kv_cache=kv_cache, use_cache=use_cache)
             if use_cache:
                 presents = gathered_presents(presents, kv_cache)
         if self.final_layernorm is not None:
@@ -1547,7 +1551,9 @@ def gathered_presents(presents, kv_cache):
     concatenated along the layers; a (keys, values) pair, or this file's Cache object, one more item."""
     if not isinstance(kv_cache, torch.Tensor):
         return presents + (kv_cache,)
-    return kv_cache if isinstance(presents, tuple) else torch.cat((presents, device_boundary(kv_cache, presents.device)))
+    if isinstance(presents, tuple):
+        return kv_cache
+    return torch.cat((presents, device_boundary(kv_cache, presents.device)))
 
 
 # ======================================================================================================================
@@ -1828,16 +1834,18 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         `cache` is transformers 5.24's name for `past_key_values` (pass one of the two).
         Keyword arguments the model does not read go to the attention kernel (attention backends pass theirs so)."""
         past_key_values = caller_cache(past_key_values, cache)
-        config = self.config
-        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-        return_dict = return_dict if return_dict is not None else config.return_dict
+        # self.config, not a local name: llm-compressor's rewrite of this forward resolves `self.config.x` when it
+        # rewrites it; a config held in a local variable becomes a value of its traced graph, which it cannot keep
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else self.config.output_hidden_states)
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
         check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values)
         use_cache = self.cache_in_use(use_cache)
         device = execution_device(self.embedding) or (input_ids if input_ids is not None else inputs_embeds).device
         input_ids, inputs_embeds, attention_mask, position_ids = (
             device_boundary(tensor, device) for tensor in (input_ids, inputs_embeds, attention_mask, position_ids))
-        cache, legacy = cache_for_forward(past_key_values, config, use_cache)
+        cache, legacy = cache_for_forward(past_key_values, self.config, use_cache)
         past_length = cache.get_seq_length() if cache is not None else 0
 
         inputs_embeds = self.embed(input_ids, inputs_embeds, attention_mask, past_length)
@@ -1846,7 +1854,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             self, input_ids, inputs_embeds, images, position_ids, attention_mask, cache, past_length)
         prefix = enter_prefix(self, cache, past_length, inputs_embeds.shape[0], inputs_embeds.shape[1])
         mask, layer_inputs = self.layer_inputs(prefix, position_ids, attention_mask, inputs_embeds,
-                                               attention_implementation(config, output_attentions), kwargs,
+                                               attention_implementation(self.config, output_attentions), kwargs,
                                                output_attentions)
         # The original's call of its encoder, with this file's values ("Module contracts"): the kernel's mask, the
         # rotary tables and the kernel as `rotary_pos_emb` (LayerInputs), the Cache object as every layer's cache.
@@ -1858,13 +1866,15 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             inputs_embeds, mask, rotary_pos_emb=rotary, kv_caches=kv_caches, use_cache=use_cache,
             output_hidden_states=output_hidden_states,
         )
-        if config.fp32_residual_connection:
+        if self.config.fp32_residual_connection:
             hidden_states = hidden_states.to(self.compute_dtype)
         outputs = BaseModelOutputWithPast(
             last_hidden_state=hidden_states, **cache_output(cache_to_return(cache, use_cache, legacy)),
             hidden_states=all_hidden_states, attentions=all_attentions,
         )
-        return outputs if return_dict else outputs.to_tuple()
+        if not return_dict:  # (a statement: llm-compressor's rewrite would make the expression a value of its graph)
+            return outputs.to_tuple()
+        return outputs
 
     def cache_in_use(self, use_cache: Optional[bool]) -> bool:
         use_cache = use_cache if use_cache is not None else self.config.use_cache
@@ -2646,6 +2656,21 @@ def warn_beyond_seq_length(config, max_new_tokens, generation_config):
         )
 
 
+def settings_aliased_by_a_tool(config) -> bool:
+    """Whether the generation settings transformers finds on the model config are all aliases of its own fields:
+    GPTQModel's load maps a ChatGLM config's `max_length` to `seq_length` (config.attribute_map), for older remote
+    code that read it. transformers 5 takes any generation setting on the model config for the legacy way of
+    steering generate() and raises when no generation_config is passed."""
+    settings = getattr(config, "_get_generation_parameters", lambda: {})()
+    aliases = getattr(config, "attribute_map", None) or {}
+    return bool(settings) and all(name in aliases for name in settings)
+
+
+# Releases whose GenerationConfig() leaves every setting unset (5.x) fill what a passed one leaves unset from the
+# model's generation config, then the library defaults, then the call's arguments: the same settings as passing none.
+_GENERATION_CONFIG_FILLED_LIKE_NONE = GenerationConfig().max_length is None
+
+
 class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, GenerationMixin):
     loss_type = "ForCausalLM"
     _tied_weights_keys = tied_weights_keys("transformer.output_layer.weight",
@@ -2773,6 +2798,10 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             kwargs = ptuning(self.config).reserve_static_cache_room(self, inputs, kwargs)
         warn_beyond_seq_length(self.config, kwargs.get("max_new_tokens"),
                                kwargs.get("generation_config") or self.generation_config)
+        if kwargs.get("generation_config") is None and _GENERATION_CONFIG_FILLED_LIKE_NONE \
+                and settings_aliased_by_a_tool(self.config):
+            # An empty config gets the settings transformers gives a call without one (a tool's alias is no setting)
+            kwargs["generation_config"] = GenerationConfig()
         with quiet_device_type_check(self, device):
             return super().generate(inputs, **kwargs)
 

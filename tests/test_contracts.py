@@ -10,9 +10,11 @@ Families: GLM-4 and ChatGLM3 (their records), ChatGLM2 and chatglm2-6b-32k (a ch
 shapes and masks are compared one to one; ChatGLM2/3's originals are sequence-first, so for them names, call arity
 and return structure are.
 """
+import copy
 import inspect
 import json
 import math
+import pickle
 import types
 from functools import partial
 
@@ -354,6 +356,84 @@ def test_sequence_first_tensors_get_an_error_naming_the_layout(chatglm, family):
             torch.no_grad():
         transformer.encoder.layers[0](hidden.transpose(0, 1), mask, rotary.transpose(0, 1), kv_cache=None,
                                       use_cache=False)
+
+
+# ---- 3b. an AutoRound-style capture and replay (AutoRound) ----------------------------------------------------------
+
+class Dropped:
+    """What a capture that keeps only some types leaves of an argument it does not keep."""
+
+
+def kept_as_autoround_keeps(value):
+    """An argument as AutoRound's capture keeps it (auto_round 0.16's block-input cache and its to_device): a tensor
+    moved to the CPU, a list or tuple rebuilt as a plain list or tuple of its kept items, a string, bool or None as
+    it is; an object of any other class is not kept (Dropped)."""
+    if isinstance(value, torch.Tensor):
+        return value.to("cpu")
+    if isinstance(value, (list, tuple)):
+        items = [kept_as_autoround_keeps(item) for item in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    return Dropped()
+
+
+def contains_dropped(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(contains_dropped(item) for item in value)
+    return isinstance(value, Dropped)
+
+
+@pytest.mark.parametrize("captured_by", ["replaced forward", "hook"])
+@pytest.mark.parametrize("family", list(FAMILY_MODELS))
+def test_layer_inputs_kept_as_autoround_keeps_them_replay_after_deepcopy_and_pickle(chatglm, family, captured_by):
+    """AutoRound's flow: layer 0's forward replaced on the instance by one that records its arguments and calls the
+    layer's own forward (or, as a tool that only reads, a forward pre-hook), the arguments kept as AutoRound keeps
+    them (tensors, plain lists and tuples, strings, bools, None); then each layer, its own forward restored, replayed
+    on the previous one's output with layer 0's other arguments: as kept, deep-copied and pickled. Nothing is dropped
+    (AutoRound dropped the LayerInputs object, and the replay failed on a missing rotary_pos_emb), and the replay gives
+    the model's own hidden states."""
+    model = build(chatglm, family)
+    position_ids = (PADDING.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = model(IDS, attention_mask=PADDING, position_ids=position_ids, use_cache=False,
+                         output_hidden_states=True).hidden_states
+    layers = model.transformer.encoder.layers
+    captured = []
+
+    def record(args, kwargs):
+        captured.append((kept_as_autoround_keeps(args), {name: kept_as_autoround_keeps(value)
+                                                         for name, value in kwargs.items()}))
+
+    if captured_by == "hook":
+        handle = layers[0].register_forward_pre_hook(lambda module, args, kwargs: record(args[1:], kwargs),
+                                                     with_kwargs=True)
+    else:
+        def forward(self, hidden_states, *args, **kwargs):
+            record(args, kwargs)
+            return type(self).forward(self, hidden_states, *args, **kwargs)
+
+        layers[0].forward = types.MethodType(forward, layers[0])
+    with torch.no_grad():
+        model(IDS, attention_mask=PADDING, position_ids=position_ids, use_cache=False)
+    if captured_by == "hook":
+        handle.remove()
+    else:
+        del layers[0].forward
+    assert len(captured) == 1 and not contains_dropped(captured[0])
+    copies = {"as kept": lambda value: value, "deep-copied": copy.deepcopy,
+              "pickled": lambda value: pickle.loads(pickle.dumps(value))}
+    for how, copied in copies.items():
+        args, kwargs = copied(captured[0])
+        hidden_states = expected[0]
+        with torch.no_grad():
+            for index, layer in enumerate(layers):
+                hidden_states, cache = layer(hidden_states, *args, **{**kwargs, "use_cache": False})
+                assert cache is None
+                if index + 1 < len(layers):
+                    torch.testing.assert_close(hidden_states, expected[index + 1], atol=1e-5, rtol=1e-5, msg=how)
+            final = model.transformer.encoder.final_layernorm(hidden_states)
+        torch.testing.assert_close(final, expected[-1], atol=1e-5, rtol=1e-5, msg=how)
 
 
 # ---- 4. the record: our modules against the original's, recorded the same way ----------------------------------
