@@ -46,11 +46,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProcessorList
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPast,
-    CausalLMOutputWithPast,
-    SequenceClassifierOutputWithPast,
-)
+from transformers.modeling_outputs import (BaseModelOutputWithPast, CausalLMOutputWithPast,
+                                           SequenceClassifierOutputWithPast)
 from transformers.utils import logging
 
 from .configuration_chatglm import ChatGLMConfig
@@ -77,17 +74,17 @@ def transformers_at_least(release: str) -> bool:
 def torch_at_least(release: str) -> bool:
     return version_at_least(torch.__version__, release)
 
+
 try:  # the attention-function registry appeared in 4.48
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 except ImportError:
     ALL_ATTENTION_FUNCTIONS = None
+
 try:  # transformers' own sdpa kernel (4.48+): until 5.x added `pack_gqa` it expanded the key/value groups to every
     # head at every step (4.49, 4.53) or at every masked step (4.57, 5.0): a copy of each layer's cache per step.
     from transformers.integrations import sdpa_attention as _transformers_sdpa
 except ImportError:
     _transformers_sdpa = None
-
-
 _TRANSFORMERS_SDPA_EXPANDS_GROUPS = _transformers_sdpa is not None and not hasattr(_transformers_sdpa, "pack_gqa")
 
 try:  # the shared loss functions appeared in 4.46; their causal-LM loss takes `shift_labels` since 4.50
@@ -143,9 +140,9 @@ except ImportError:
 
 # 4.56 added DynamicCache(config=...), and 5.0 builds its layers from the config.
 _DYNAMIC_CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
+
 # 5.x's entry point; gradient_checkpointing_enable() is its deprecated alias there, which the model does not override.
 _HAS_ACTIVATION_CHECKPOINTING = hasattr(PreTrainedModel, "activation_checkpointing_enable")
-
 
 # 4.44 and 4.45 have no generic GenerationMixin.prepare_inputs_for_generation (the 4.44 one only raises).
 _HAS_GENERIC_PREPARE_INPUTS = transformers_at_least("4.46")
@@ -215,9 +212,7 @@ def returned_cache(outputs):
 _MAX_LENGTH_QUERY = (
     "get_max_length"
     if hasattr(Cache, "get_max_length") and (transformers_at_least("5.0") or not hasattr(Cache, "get_max_cache_shape"))
-    else "get_max_cache_shape"
-)
-
+    else "get_max_cache_shape")
 
 # torch 2.5 added scaled_dot_product_attention(enable_gqa=True); on torch 2.4 an unmasked prompt expands the groups.
 _SDPA_HAS_GQA = torch_at_least("2.5")
@@ -276,8 +271,7 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
     first_step = past_length == 0
     if cache_position is None:
         cache_position = torch.arange(past_length, input_ids.shape[1], device=input_ids.device)
-    if not first_step:
-        # With inputs_embeds, input_ids hold only the generated tokens: take the newest ones.
+    if not first_step:  # (with inputs_embeds, input_ids hold only the generated tokens)
         input_ids = input_ids[:, -cache_position.shape[0]:]
     new_tokens = cache_position.shape[0]
     # Fresh copies of the slices: a slice keeps its parent's strides, which a compiled step guards on.
@@ -286,10 +280,8 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
     else:
         model_inputs = {"input_ids": input_ids.clone(memory_format=torch.contiguous_format)}
     static_length = max_cache_length(past_key_values) if past_key_values is not None else None
-    if first_step and type(past_key_values) is DynamicCache:
-        # The empty cache generate() made: passed as None, the forward makes its own. PEFT before 0.13 (the PEFT of
-        # these releases) injects its prefix-tuning key/values only where the cache it is handed is None.
-        past_key_values = None
+    if first_step and type(past_key_values) is DynamicCache:  # generate()'s empty cache: PEFT < 0.13 injects its
+        past_key_values = None  # prefix-tuning key/values only where it is handed None
     if static_length and attention_mask is not None and attention_mask.dim() == 2:
         if position_ids is None:  # the padding mask is about to become 4D: positions from it first
             position_ids = ChatGLMModel.default_position_ids(attention_mask, None, new_tokens)
@@ -337,8 +329,7 @@ class AttentionSizes:
                    bool(config.multi_query_attention))
 
     @property
-    def groups(self) -> int:
-        """Query heads served by each key/value head."""
+    def groups(self) -> int:  # query heads per key/value head
         return self.num_heads // self.num_kv_heads
 
     @property
@@ -349,8 +340,7 @@ class AttentionSizes:
         return replace(self, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
-def block_parameter_count(config: ChatGLMConfig) -> int:
-    """Weights of one GLMBlock's linear layers (norms and biases are negligible)."""
+def block_parameter_count(config: ChatGLMConfig) -> int:  # (norms and biases negligible)
     sizes = AttentionSizes.from_config(config)
     return (sizes.qkv_features * config.hidden_size + sizes.num_heads * sizes.head_dim * config.hidden_size
             + 3 * config.ffn_hidden_size * config.hidden_size)
@@ -438,8 +428,7 @@ def checkpoint_variant(config) -> Optional[str]:
             f"This checkpoint is taken as {chosen} (rotary: {CHECKPOINT_VARIANTS[chosen]['rotary']}) from "
             f"{'; '.join(f'{where}: {row}' for where, row in evidence)}. The rotary embedding of these checkpoints "
             "differs: if that is not the checkpoint, set \"chatglm_variant\" in config.json to the right one of "
-            f"{', '.join(CHECKPOINT_VARIANTS)}."
-        )
+            f"{', '.join(CHECKPOINT_VARIANTS)}.")
     return chosen
 
 
@@ -476,8 +465,7 @@ def check_supported(config: ChatGLMConfig):
         raise ValueError(
             f"The config lacks {', '.join(missing)}, which this modeling_chatglm.py reads: its configuration class "
             f"({type(config).__module__}) is not a ChatGLM2/3 or GLM-4 one, or is older than this file. Copy this "
-            "repository's configuration_chatglm.py into the checkpoint folder too."
-        )
+            "repository's configuration_chatglm.py into the checkpoint folder too.")
     checks = load_checks(config)
     validate = getattr(config, "validate_chatglm", None)  # ours checks every field; the original class checks nothing
     if callable(validate):
@@ -486,10 +474,9 @@ def check_supported(config: ChatGLMConfig):
         checks.validate_config(config)
     complete_original_config(config)
     if weight_storage(config) not in ("float", "int4", "int8"):
-        raise ValueError(
-            f"config.quantization_bit={config.quantization_bit}: checkpoints quantized by the original code store 4 "
-            "or 8 bits (0: float weights). Fix quantization_bit in config.json to the width the weights were saved with."
-        )
+        raise ValueError(f"config.quantization_bit={config.quantization_bit}: checkpoints quantized by the original "
+                         "code store 4 or 8 bits (0: float weights). Fix quantization_bit in config.json to the width "
+                         "the weights were saved with.")
     if checks is not None:
         checks.check_fits_in_memory(config, parameter_count(config))
 
@@ -587,8 +574,7 @@ def as_cache(past_key_values) -> Optional[Cache]:
     if not hasattr(DynamicCache, "from_legacy_cache"):
         raise TypeError(
             f"past_key_values as a tuple of tensors is not supported with transformers {transformers.__version__}: "
-            "pass the Cache object a previous call returned (or a transformers DynamicCache)."
-        )
+            "pass the Cache object a previous call returned (or a transformers DynamicCache).")
     return DynamicCache.from_legacy_cache(past_key_values)
 
 
@@ -614,8 +600,7 @@ def cache_to_return(cache: Optional[Cache], use_cache: bool, legacy: bool):
     return cache.to_legacy_cache() if legacy else cache
 
 
-def max_cache_length(cache: Cache) -> Optional[int]:
-    """Preallocated length of a static cache, None for a cache that grows."""
+def max_cache_length(cache: Cache) -> Optional[int]:  # None for a cache that grows
     if isinstance(cache, DynamicCache):
         return None
     length = getattr(cache, _MAX_LENGTH_QUERY)()
@@ -805,8 +790,7 @@ def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dr
             key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            is_causal=attention_mask is None and query_length > 1, **({"enable_gqa": True} if grouped else {}),
-        )
+            is_causal=attention_mask is None and query_length > 1, **({"enable_gqa": True} if grouped else {}))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -817,10 +801,8 @@ def attention_function(implementation: str):
     if ALL_ATTENTION_FUNCTIONS is None:
         if implementation == "sdpa":
             return sdpa_grouped_attention_forward
-        raise ValueError(
-            f"attn_implementation={implementation!r} needs transformers >= 4.48 with this model; "
-            f"{transformers.__version__} is installed. Use 'sdpa' or 'eager', or upgrade transformers."
-        )
+        raise ValueError(f"attn_implementation={implementation!r} needs transformers >= 4.48 with this model; "
+                         f"{transformers.__version__} is installed. Use 'sdpa' or 'eager', or upgrade transformers.")
     if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
         kernel = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     else:
@@ -836,11 +818,9 @@ def attention_implementation(config: ChatGLMConfig, output_attentions: bool) -> 
     if not output_attentions or implementation == "eager":
         return implementation
     if not is_tracing():  # (logging breaks a compiled graph)
-        logger.warning_once(
-            f"output_attentions=True: the attention weights are computed by the eager kernel for those calls "
-            f"instead of {implementation!r} (slower, more memory). Load with attn_implementation='eager' to make it "
-            "the default."
-        )
+        logger.warning_once("output_attentions=True: the attention weights are computed by the eager kernel for those "
+                            f"calls instead of {implementation!r} (slower, more memory). Load with "
+                            "attn_implementation='eager' to make it the default.")
     return "eager"
 
 
@@ -899,13 +879,11 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
         return attention_mask
     if attention_mask is None and sequence_ids is None and (decode or (prefill and implementation == "sdpa")):
         return None
-    if decode:  # one new token on a cache that grows: every key precedes it, the padding alone is the mask; a row
-        # of padding alone sees every key
+    if decode:  # every key precedes the token: the padding is the mask (a row of padding alone sees every key)
         allowed = (attention_mask != 0)[:, None, None, :]
         return allowed | ~allowed.any(dim=-1, keepdim=True)
     mask = key_positions[None, None, :] <= query_positions[:, :, None]
-    if sequence_ids is not None:  # a prompt: every query sees the prefix slots, then the keys of its own sequence
-        # (a static cache's slots after the prompt are unwritten)
+    if sequence_ids is not None:  # the prefix slots, then the keys of the query's own sequence
         key_ids = F.pad(sequence_ids, (prefix, key_length - prefix - sequence_ids.shape[-1]), value=-1)
         mask = mask & ((sequence_ids[:, :, None] == key_ids[:, None, :]) | (key_positions < prefix)[None, None, :])
     if attention_mask is not None:
@@ -913,9 +891,7 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
         if padding.shape[-1] < key_length:  # a static cache's slots beyond the mask are unwritten
             padding = F.pad(padding, (0, key_length - padding.shape[-1]), value=False)
         mask = mask & padding[:, None, :]
-    # A padding query sees no key at all; let it see every key so that its softmax stays finite (its output is
-    # never used by a real token).
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
+    mask = mask | ~mask.any(dim=-1, keepdim=True)  # a padding query sees every key: its softmax stays finite
     return mask[:, None]
 
 
@@ -993,8 +969,7 @@ def check_batch_first(hidden_states, attention_mask, rotary_pos_emb):
             f"where a query must not look; got hidden_states {list(hidden_states.shape)}, rotary_pos_emb "
             f"{list(rotary_pos_emb.shape)}, attention_mask "
             f"{None if attention_mask is None else list(attention_mask.shape)}. ChatGLM2/3's original code was "
-            "sequence-first ([seq, batch, ...]): transpose its tensors, or call the model instead."
-        )
+            "sequence-first ([seq, batch, ...]): transpose its tensors, or call the model instead.")
 
 
 class CoreAttention(nn.Module):
@@ -1009,9 +984,7 @@ class CoreAttention(nn.Module):
         self.is_causal = True
         self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
         self.attention_softmax_in_fp32 = config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
-        # coeff and norm_factor: the original's attributes (testdata/surface), kept for scripts that read them;
-        # the kernels read `scaling` and the config.
-        self.coeff = self.layer_number if self.apply_query_key_layer_scaling else None
+        self.coeff = self.layer_number if self.apply_query_key_layer_scaling else None  # the original's; unread
         self.norm_factor = self.sizes.head_dim ** 0.5 * (self.coeff or 1)
         self.scaling = self.sizes.head_dim ** -0.5
         self.attention_dropout = nn.Dropout(config.attention_dropout)
@@ -1025,8 +998,7 @@ class CoreAttention(nn.Module):
         if isinstance(attention_mask, tuple):  # this file's call (KernelInputs)
             mask, implementation, kernel_kwargs, attentions = attention_mask
             kernel = attention_function(implementation)
-        else:  # the original's: our kernels, which count the repeated heads as groups of one (transformers' read
-            # num_key_value_groups); flash takes no 4-D mask: sdpa
+        else:  # the original's: our kernels (they take repeated heads as groups of one); flash takes no 4-D mask
             eager = self.config._attn_implementation in (None, "eager")
             kernel = eager_attention_forward if eager else sdpa_grouped_attention_forward
             mask = kernel_mask(attention_mask, query_layer.shape[-2], key_layer.shape[-2], query_layer.device,
@@ -1072,8 +1044,7 @@ class SelfAttention(nn.Module):
         self.is_causal = True
         linear = linear_layer(config)
         self.query_key_value = linear(
-            config.hidden_size, self.sizes.qkv_features, bias=config.add_bias_linear or config.add_qkv_bias
-        )
+            config.hidden_size, self.sizes.qkv_features, bias=config.add_bias_linear or config.add_qkv_bias)
         self.dense = linear(self.sizes.num_heads * self.sizes.head_dim, config.hidden_size, bias=config.add_bias_linear)
 
     @property
@@ -1089,8 +1060,7 @@ class SelfAttention(nn.Module):
 
     num_key_value_groups = property(lambda self: self.sizes.groups)
     scaling = property(lambda self: self.sizes.head_dim ** -0.5)
-    # The original's size attributes (per rank under tensor parallelism, as its "per partition" names say).
-    num_attention_heads_per_partition = property(lambda self: self.sizes.num_heads)
+    num_attention_heads_per_partition = property(lambda self: self.sizes.num_heads)  # the original's, per rank
     hidden_size_per_attention_head = property(lambda self: self.sizes.head_dim)
     num_multi_query_groups_per_partition = property(lambda self: self.sizes.num_kv_heads)
     projection_size = property(lambda self: self.sizes.num_heads * self.sizes.head_dim)
@@ -1138,9 +1108,7 @@ class SelfAttention(nn.Module):
     _own_forward = forward  # the forward this class computes with (forward_replaced)
 
     def cached(self, key, value, kv_cache, use_cache: bool, cache_position):
-        """The keys and values to attend to, and the cache to return (see the class's docstring)."""
-        if isinstance(kv_cache, Cache):
-            # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
+        if isinstance(kv_cache, Cache):  # (cache_position: static caches before 5.0)
             key, value = kv_cache.update(key, value, self.layer_idx, {"cache_position": cache_position})
             return key, value, (kv_cache if use_cache else None)
         if kv_cache is not None:
@@ -1259,7 +1227,7 @@ class GLMBlock(GradientCheckpointingLayer):
         return hidden_states, kv_cache
 
     def dropout(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.hidden_dropout == 0:  # no operator at all in inference (one less per sublayer)
+        if not self.training or self.hidden_dropout == 0:  # no operator in inference
             return hidden_states
         return F.dropout(hidden_states, p=self.hidden_dropout, training=True)
 
@@ -1276,9 +1244,7 @@ class GLMTransformer(nn.Module):
         self.num_layers = config.num_layers
         self.post_layer_norm = config.post_layer_norm
         self.fp32_residual_connection = config.fp32_residual_connection
-        # The original's flag; each layer checkpoints itself (GradientCheckpointingLayer). transformers 4.x sets it
-        # with the layers' when checkpointing is turned on or off.
-        self.gradient_checkpointing = False
+        self.gradient_checkpointing = False  # the original's flag; each layer checkpoints itself
         self.layers = nn.ModuleList([GLMBlock(config, number + 1) for number in range(config.num_layers)])
         self.final_layernorm = make_norm(config) if config.post_layer_norm else None
 
@@ -1336,16 +1302,13 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["GLMBlock", "TransformerLayer"]  # TransformerLayer: GLM-4V's vision blocks
     _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache's layers stay where they are (5.24 name)
-    # transformers 4.30's names, which its quantizers set on a quantized model: False until one does.
-    is_loaded_in_4bit = is_loaded_in_8bit = is_quantized = False
+    is_loaded_in_4bit = is_loaded_in_8bit = is_quantized = False  # transformers' quantizers set them
     _supports_sdpa = True
     _supports_flash_attn_2 = True  # 4.x name
     _supports_flash_attn = True  # 5.x name
     _supports_cache_class = True  # 4.x: generate() hands us Cache objects
     _supports_static_cache = True
-    # Attention kernels registered with transformers (AttentionInterface) run in every layer with the forward's extra
-    # keyword arguments, and custom 4D masks are honoured (tests/test_attention.py).
-    _supports_attention_backend = True
+    _supports_attention_backend = True  # registered kernels get the forward's extra arguments; 4D masks honoured
     _can_compile_fullgraph = True  # static-cache decode compiles as one graph (tests/test_compile.py)
 
     @classmethod
@@ -1395,9 +1358,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             if isinstance(module, RotaryEmbedding):
                 module.own_loaded_buffer()
         if _TIED_KEYS_ARE_A_MAPPING and getattr(model.config, "tie_word_embeddings", False):
-            # 5.x leaves a checkpoint's two stored matrices untied (with a warning) even when the config asks for
-            # tying; 4.x ties them, the input embedding winning. from_pretrained(..., tie_word_embeddings=True) ties.
-            model.tie_weights()
+            model.tie_weights()  # 5.x leaves two stored matrices untied, with a warning; 4.x ties them, as here
         if weight_storage(model.config) != "float":
             model.use_quantized_kernel("auto")
         return (model, info) if with_info else model
@@ -1434,16 +1395,14 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             return config
         config = cls.config_class.from_pretrained(
             pretrained_model_name_or_path, **{k: kwargs[k] for k in ("revision", *HUB_KWARGS) if k in kwargs})
-        # Where the code files come from, as from_pretrained records it (config.json may name another repository):
-        # GLM-4V's model, built for the device-map check, imports visual.py from there.
-        config._name_or_path = str(pretrained_model_name_or_path)
+        config._name_or_path = str(pretrained_model_name_or_path)  # where GLM-4V's check model finds visual.py
         return config
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, and the companion files beside the code files."""
         variant = checkpoint_variant(self.config)
         if variant is not None and CHECKPOINT_VARIANTS[variant]["rotary"] != "base":
-            self.config.chatglm_variant = variant  # the names that told the reading are not saved; the variant is
+            self.config.chatglm_variant = variant  # the names that told the reading are not saved
         super().save_pretrained(save_directory, *args, **kwargs)
         if self._auto_class is None or not kwargs.get("is_main_process", True):
             return
@@ -1520,9 +1479,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
     # The output layer is the base model's (the original's layout); tied only with config.tie_word_embeddings.
     _tied_weights_keys = tied_weights_keys("output_layer.weight", "embedding.word_embeddings.weight")
 
-    def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
-        # empty_init and device are the original constructor's arguments, accepted so that calling code keeps
-        # working: from_pretrained already skips initialising loaded weights, and `device` places the model.
+    def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):  # (empty_init: the original's, unused)
         super().__init__(config)
         check_supported(config)
         # The original's size attributes (P-tuning and export scripts read them).
@@ -1535,16 +1492,14 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         self.prefix_encoder = prefix_encoder(config)  # P-tuning v2 (ptuning_chatglm.py), None without pre_seq_len
-        # GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower of visual.py, whose image rows enter through `splice`.
-        self.vision = vision_tower(config) if getattr(config, "vision_config", None) else None
+        self.vision = vision_tower(config) if getattr(config, "vision_config", None) else None  # GLM-4V (visual.py)
         if self.prefix_encoder is not None:
             ptuning(config).train_prefix_only(self)
         self.post_init()
         if device is not None:
             self.to(device)
 
-    # transformers 4.46 to 4.52 look for it here (see the compatibility layer).
-    _prepare_4d_causal_attention_mask_with_cache_position = staticmethod(static_cache_mask_before_4_53)
+    _prepare_4d_causal_attention_mask_with_cache_position = staticmethod(static_cache_mask_before_4_53)  # 4.46-4.52
 
     def get_input_embeddings(self):
         return self.embedding.word_embeddings
@@ -1702,7 +1657,7 @@ def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
 
 
 COMPANION_FILES = ("parallel_chatglm", "visual", "quantization_chatglm", "ptuning_chatglm", "checks_chatglm")
-_MISSING_COMPANIONS = set()  # optional companions not found (module names): looked for once a process
+_MISSING_COMPANIONS = set()  # optional ones not found: looked for once a process
 CHECKS_MODULE = f"{__package__}.checks_chatglm"
 
 
@@ -1724,8 +1679,7 @@ def find_companion(name: str, config=None, checkpoint=None, **hub_kwargs) -> Opt
     return Path(found) if found else None
 
 
-# from_pretrained's arguments that say where a Hub checkpoint's files are (a companion file is looked for there too).
-HUB_KWARGS = ("cache_dir", "token", "local_files_only")
+HUB_KWARGS = ("cache_dir", "token", "local_files_only")  # where from_pretrained finds a Hub checkpoint's files
 
 
 def import_companion(name: str, config=None, checkpoint=None, required: bool = True, **hub_kwargs):
@@ -1743,8 +1697,7 @@ def import_companion(name: str, config=None, checkpoint=None, required: bool = T
         raise ImportError(
             f"This needs {name}.py beside modeling_chatglm.py{f' (looked in {source})' if source else ''}: copy "
             "it from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
-            "modeling_chatglm.py, or install all its files with tools/install_into_checkpoint.py."
-        )
+            "modeling_chatglm.py, or install all its files with tools/install_into_checkpoint.py.")
     spec = importlib.util.spec_from_file_location(module_name, found)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
@@ -1764,8 +1717,8 @@ def load_checks(config=None, checkpoint=None, **hub_kwargs):
     checks = import_companion("checks_chatglm", config, checkpoint, required=False, **hub_kwargs)
     if checks is None:
         logger.warning("checks_chatglm.py is not beside modeling_chatglm.py: the checks of the config's sizes, "
-                            "device maps and weight files (docs/load-checks.md) are skipped. Copy it into the "
-                            "checkpoint folder, or install all the files with tools/install_into_checkpoint.py.")
+                       "device maps and weight files (docs/load-checks.md) are skipped. Copy it into the "
+                       "checkpoint folder, or install all the files with tools/install_into_checkpoint.py.")
     return checks
 
 
@@ -1785,8 +1738,7 @@ def prefix_encoder(config) -> Optional[nn.Module]:
     callbacks = module.LanguageModelCallbacks(
         device_boundary=device_boundary, execution_device=execution_device, cache_is_empty=cache_is_empty,
         max_cache_length=max_cache_length, dynamic_cache_kwargs=dynamic_cache_kwargs, new_static_cache=new_static_cache,
-        cache_output=cache_output,
-    )
+        cache_output=cache_output)
     return module.PrefixEncoder(config, callbacks)
 
 
@@ -1796,8 +1748,7 @@ def require_prefix(model: nn.Module) -> nn.Module:
         raise ValueError(
             "This model has no P-tuning v2 prefix (config.pre_seq_len is not set). Load it with the prefix length it "
             "was trained with, e.g. AutoConfig.from_pretrained(base, trust_remote_code=True, pre_seq_len=128) and "
-            "from_pretrained(base, config=config, trust_remote_code=True)."
-        )
+            "from_pretrained(base, config=config, trust_remote_code=True).")
     return encoder
 
 
@@ -1852,12 +1803,10 @@ def vision_tower(config) -> nn.Module:
             f"{visual.__file__} is not this repository's visual.py, or is an older one (glm-4v-9b's original has the "
             "same name): copy visual.py from the maintained ChatGLM / GLM-4 repository into the checkpoint folder "
             "along with modeling_chatglm.py (tools/install_into_checkpoint.py installs every file), and delete the "
-            "stale copy if it sits in the transformers modules cache."
-        )
+            "stale copy if it sits in the transformers modules cache.")
     callbacks = visual.LanguageModelCallbacks(
         device_boundary=device_boundary, execution_device=execution_device,
-        default_position_ids=ChatGLMModel.default_position_ids,
-    )
+        default_position_ids=ChatGLMModel.default_position_ids)
     return visual.EVA2CLIPModel(config, callbacks)
 
 
@@ -1920,8 +1869,7 @@ def with_text_content(message: dict, index: int) -> dict:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(
                 f"{where} is a {kind!r} part; chat() takes text parts only ({{'type': 'text', 'text': ...}}). "
-                "GLM-4V (glm-4v-9b) takes an image as the message's 'image' (a PIL image), not as a content part."
-            )
+                "GLM-4V (glm-4v-9b) takes an image as the message's 'image' (a PIL image), not as a content part.")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where} is a text part without a str 'text': {part!r:.100}.")
     message["content"] = "".join(part["text"] for part in parts)
@@ -1967,12 +1915,10 @@ def new_turn_inputs(tokenizer, history: list, inputs: dict) -> dict:
     same = torch.eq(whole[:len(held)], held[:len(whole)])
     if len(held) >= len(whole) or not bool(same.all()):
         parted = int((~same).nonzero()[0, 0]) if not bool(same.all()) else min(len(held), len(whole))
-        raise ValueError(
-            f"stream_chat(past_key_values=...) continues a cache that holds `history`, but this tokenizer's chat "
-            f"template renders `history` followed by the new message differently from `history` alone (from id "
-            f"{parted} on), so the new message's ids cannot be placed after the cache. Pass past_key_values=None: "
-            "the whole conversation is then sent."
-        )
+        raise ValueError("stream_chat(past_key_values=...) continues a cache that holds `history`, but this "
+                         "tokenizer's chat template renders `history` followed by the new message differently from "
+                         f"`history` alone (from id {parted} on), so the new message's ids cannot be placed after the "
+                         "cache. Pass past_key_values=None: the whole conversation is then sent.")
     return {name: value[:, len(held):] for name, value in inputs.items()}
 
 
@@ -1983,11 +1929,9 @@ def checked_pairs(history) -> list:
         raise ValueError(f"history must be a list of (query, response) pairs, got {type(history).__name__}.")
     for index, pair in enumerate(history):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            raise ValueError(
-                f"history[{index}] must be a (query, response) pair of str (ChatGLM2's format, as its chat() returns "
-                f"it), got {pair!r:.100}. Role messages are ChatGLM3's format, which a ChatGLM2 tokenizer cannot "
-                "encode."
-            )
+            raise ValueError(f"history[{index}] must be a (query, response) pair of str (ChatGLM2's format, as its "
+                             f"chat() returns it), got {pair!r:.100}. Role messages are ChatGLM3's format, which a "
+                             "ChatGLM2 tokenizer cannot encode.")
     return list(history)
 
 
@@ -2136,8 +2080,7 @@ class ChatMixin:
         stop_ids = chat.stop_ids(tokenizer)
         outputs = self.generate(
             **inputs, max_length=max_length, num_beams=num_beams, do_sample=do_sample, top_p=top_p,
-            temperature=temperature, logits_processor=guarded(logits_processor), eos_token_id=stop_ids, **kwargs,
-        )
+            temperature=temperature, logits_processor=guarded(logits_processor), eos_token_id=stop_ids, **kwargs)
         response = tokenizer.decode(answer_ids(outputs[0], inputs["input_ids"].shape[1], stop_ids))
         return chat.reply(self, response, history, query, role)
 
@@ -2168,8 +2111,7 @@ class ChatMixin:
         for ids, past_key_values in self.stream_generate(
             **inputs, past_key_values=past_key_values, eos_token_id=stop_ids, return_past_key_values=True,
             max_length=max_length, do_sample=do_sample, top_p=top_p, temperature=temperature,
-            logits_processor=guarded(logits_processor), **kwargs,
-        ):
+            logits_processor=guarded(logits_processor), **kwargs):
             text = tokenizer.decode(answer_ids(ids[0], prompt_length, stop_ids))
             if text and not text.endswith("\ufffd"):  # a character still incomplete waits for its next bytes
                 response, new_history = chat.reply(self, text, history, query, role)
@@ -2325,8 +2267,7 @@ def warn_beyond_seq_length(config, max_new_tokens, generation_config):
     if isinstance(max_new_tokens, int) and isinstance(seq_length, int) and max_new_tokens > seq_length:
         logger.warning_once(
             f"max_new_tokens={max_new_tokens} is beyond this model's seq_length={seq_length} (config.json), the "
-            "longest context it was trained for: text generated past it degrades. Lower max_new_tokens."
-        )
+            "longest context it was trained for: text generated past it degrades. Lower max_new_tokens.")
 
 
 class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, GenerationMixin):
@@ -2338,9 +2279,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
     def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
         super().__init__(config)
         self.transformer = ChatGLMModel(config, empty_init=empty_init, device=device)
-        # The original's attributes: config.max_length (transformers' default, 20, unless config.json sets it;
-        # 5.x configs no longer have it), and whether the blocks are quantized.
-        self.max_sequence_length = getattr(config, "max_length", 20)
+        self.max_sequence_length = getattr(config, "max_length", 20)  # the original's (5.x configs lack max_length)
         self.quantized = weight_storage(config) != "float"
         self.chat_form = chat_form_of(config)
         self.post_init()
@@ -2351,31 +2290,15 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
     def set_output_embeddings(self, new_embeddings):
         self.transformer.output_layer = new_embeddings
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        past_key_values=None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.LongTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        return_last_logit: Optional[bool] = False,
-        logits_to_keep: Union[int, torch.Tensor] = 0,
-        images: Optional[torch.Tensor] = None,
-        cache: Optional[Cache] = None,
-        **loss_kwargs,  # the Trainer of 4.46-4.48 passes num_items_in_batch only to a `**loss_kwargs` by that name
-    ):
-        """`labels` give the causal-LM loss in fp32, as transformers' ForCausalLMLoss computes it: shifted left, or
-        `shift_labels` already shifted (sequence / context parallelism; the loss is computed from either);
-        `ignore_index` (-100) marks positions without a target; `num_items_in_batch` (from the Trainer) makes it a sum
-        divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of the last positions only.
-        `images` (GLM-4V, see ChatGLMModel.forward): the logits have a row per image row, and token-layout labels are
-        mapped to those rows (-100 on the image). Other keyword arguments go to the base model (and from there to the
-        attention kernel). `cache` is transformers 5.24's name for `past_key_values` (pass one of the two)."""
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, position_ids: Optional[torch.LongTensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, past_key_values=None,
+                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                use_cache: Optional[bool] = None, output_attentions: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None,
+                return_last_logit: Optional[bool] = False, logits_to_keep: Union[int, torch.Tensor] = 0,
+                images: Optional[torch.Tensor] = None, cache: Optional[Cache] = None, **loss_kwargs):
+        """`labels` or `shift_labels`: transformers' fp32 causal-LM loss (the 4.46-4.48 Trainer passes its
+        num_items_in_batch only to `**loss_kwargs`). `images` (GLM-4V): a logits row per image row."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         loss_args = {name: loss_kwargs.pop(name) for name in ("num_items_in_batch", "shift_labels", "ignore_index")
                      if name in loss_kwargs}
@@ -2383,8 +2306,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             past_key_values=caller_cache(past_key_values, cache), inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            images=images, **loss_kwargs,
-        )
+            images=images, **loss_kwargs)
         hidden_states = outputs.last_hidden_state
         if return_last_logit:
             logits_to_keep = 1
@@ -2458,8 +2380,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         """The cache returned as `past_key_values` on every release, where PEFT (0.12 to 0.21) puts its prefix."""
         past_key_values = caller_cache(past_key_values, kwargs.pop("cache", None))
         checks = load_checks(self.config)
-        if inputs_embeds is None and checks is not None:  # the cache holds the ids but the newest (and the prefix
-            # slots): no host sync
+        if inputs_embeds is None and checks is not None:  # (from the ids' length: no host sync)
             checks.check_cache_room(max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None,
                                     input_ids.shape[-1] + prefix_length(self),
                                     f"the {input_ids.shape[-1]} tokens of the sequence so far")
@@ -2468,13 +2389,11 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         if _HAS_GENERIC_PREPARE_INPUTS:
             model_inputs = super().prepare_inputs_for_generation(
                 input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
-                **cache_output(past_key_values), **kwargs,
-            )
+                **cache_output(past_key_values), **kwargs)
             model_inputs["past_key_values"] = model_inputs.pop(CACHE_NAME, None)
         else:
             model_inputs = prepare_inputs_before_4_46(
-                input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, config=self.config, **kwargs
-            )
+                input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, config=self.config, **kwargs)
         if prefix_length(self) and (attention_mask is None or attention_mask.dim() == 2):
             # A static cache's 4-D mask (4.53+, ours before 4.46) is blind to the prefix: the model builds its own.
             model_inputs["attention_mask"] = attention_mask
@@ -2493,35 +2412,20 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
         self.dropout = nn.Dropout(dropout) if dropout is not None else None
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        full_attention_mask: Optional[torch.Tensor] = None,
-        past_key_values=None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.LongTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        cache: Optional[Cache] = None,
-        **kwargs,
-    ):
-        """Classifies each sequence from its last real token (the last column where attention_mask is 1, so left
-        and right padding both work; the last position without a mask, as in the original). `full_attention_mask`
-        keeps the original's positional signature and is ignored: the model builds its mask from attention_mask.
-        `cache` is transformers 5.24's name for `past_key_values` (pass one of the two)."""
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, position_ids: Optional[torch.LongTensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, full_attention_mask: Optional[torch.Tensor] = None,
+                past_key_values=None, inputs_embeds: Optional[torch.Tensor] = None,
+                labels: Optional[torch.LongTensor] = None, use_cache: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
+                return_dict: Optional[bool] = None, cache: Optional[Cache] = None, **kwargs):
+        """Classifies each sequence from its last real token. `full_attention_mask`: the original's, ignored."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.transformer(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             past_key_values=caller_cache(past_key_values, cache), inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            **kwargs,
-        )
-        # Pooling on the device of the logits (the classifier's); labels follow.
-        head_device = execution_device(self.classifier_head) or outputs.last_hidden_state.device
+            **kwargs)
+        head_device = execution_device(self.classifier_head) or outputs.last_hidden_state.device  # labels follow
         hidden_states = device_boundary(outputs.last_hidden_state, head_device)
         if attention_mask is not None:
             mask = device_boundary(attention_mask, head_device).long()
