@@ -226,9 +226,7 @@ _DYNAMO_COMPARES_FUNCTIONS = torch_at_least("2.5")
 
 
 def is_compiling() -> bool:
-    """torch.compiler.is_compiling (torch >= 2.3; False where torch lacks it)."""
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+    return torch.compiler.is_compiling()  # torch >= 2.3
 
 
 def is_tracing() -> bool:
@@ -430,12 +428,6 @@ def checkpoint_variant(config) -> Optional[str]:
             "differs: if that is not the checkpoint, set \"chatglm_variant\" in config.json to the right one of "
             f"{', '.join(CHECKPOINT_VARIANTS)}.")
     return chosen
-
-
-def rotary_reading(config) -> str:
-    """How this checkpoint's rope_ratio is read ("base" or "positions", see CHECKPOINT_VARIANTS)."""
-    variant = checkpoint_variant(config)
-    return CHECKPOINT_VARIANTS[variant]["rotary"] if variant else "base"
 
 
 def weight_storage(config) -> str:
@@ -668,7 +660,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = config.kv_channels
         rope_ratio = getattr(config, "rope_ratio", 1)  # chatglm3-6b's original config has no rope_ratio
         self.rope_ratio = rope_ratio
-        divides_positions = rotary_reading(config) == "positions"
+        variant = checkpoint_variant(config)
+        divides_positions = variant is not None and CHECKPOINT_VARIANTS[variant]["rotary"] == "positions"
         self.base = 10000.0 * (1 if divides_positions else rope_ratio)
         self.position_divisor = float(rope_ratio) if divides_positions else 1.0
         # The state-dict key, whose values nothing reads; it marks the rotary table's device.
@@ -676,8 +669,7 @@ class RotaryEmbedding(nn.Module):
         self._register_load_state_dict_pre_hook(own_loaded_inv_freq, with_module=True)
 
     def checkpoint_inv_freq(self) -> torch.Tensor:
-        steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32)
-        return 1.0 / (10000 ** (steps / self.rotary_channels))
+        return self.theta(None, base=10000)
 
     def own_loaded_buffer(self):
         """transformers >= 4.53 keep this buffer as a view of the checkpoint's memory map: its shard stays resident."""
@@ -702,9 +694,9 @@ class RotaryEmbedding(nn.Module):
         angles = positions * theta
         return head_tables(angles.cos(), angles.sin(), self.head_dim, dtype)
 
-    def theta(self, device: torch.device) -> torch.Tensor:
+    def theta(self, device: Optional[torch.device], base: Optional[float] = None) -> torch.Tensor:
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=device)
-        return 1.0 / (self.base ** (steps / self.rotary_channels))
+        return 1.0 / ((base or self.base) ** (steps / self.rotary_channels))
 
     # The original's names; `forward_impl` computes its table, its half-precision rounding kept.
     dim = property(lambda self: self.rotary_channels)
@@ -895,22 +887,6 @@ def build_attention_mask(implementation, attention_mask, query_positions, key_le
     return mask[:, None]
 
 
-def original_attention_mask(padding_mask, batch_size: int, query_length: int, past_length, device) -> torch.Tensor:
-    """The original's attention mask (its get_masks): [batch, 1, new, past + new], True where a query must NOT
-    look: causal, every cached slot visible, keys at padding (0 in the 2-D `padding_mask`, past included) hidden,
-    and in a prompt each padded query row sees every key. Boolean operators only."""
-    allowed = torch.ones(query_length, query_length, dtype=torch.bool, device=device).tril_()
-    if past_length:
-        allowed = torch.cat((allowed.new_ones(query_length, past_length), allowed), dim=-1)
-    allowed = allowed.expand(batch_size, -1, -1)
-    if padding_mask is not None:
-        padding = padding_mask.to(device) != 0
-        allowed = allowed & padding[:, None, :]
-        if not past_length:
-            allowed = allowed | ~padding[:, :, None]
-    return ~allowed[:, None]
-
-
 def placed_inputs(value, device: Optional[torch.device]):
     """A layer's inputs with their tensors on `device`. Plain loops: torch 2.4's dynamo traces no such comprehension."""
     if isinstance(value, torch.Tensor) or value is None:
@@ -1067,22 +1043,12 @@ class SelfAttention(nn.Module):
     qkv_hidden_size = property(lambda self: self.sizes.qkv_features)
     multi_query_attention = property(lambda self: self.sizes.multi_query)
 
-    def split_heads(self, mixed: torch.Tensor):
-        """Fused projection [batch, seq, qkv] -> q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim]."""
-        s = self.sizes
-        if s.multi_query:
-            q, k, v = mixed.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                                   s.num_kv_heads * s.head_dim], dim=-1)
-            q, k, v = (t.unflatten(-1, (-1, s.head_dim)) for t in (q, k, v))
-        else:
-            q, k, v = mixed.unflatten(-1, (s.num_heads, 3 * s.head_dim)).split(s.head_dim, dim=-1)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
     def rotated_heads(self, mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Query and key turned (one slice where grouped); key and value copied: views would keep the projection."""
         s = self.sizes
-        if not s.multi_query:
-            query, key, value = self.split_heads(mixed)
+        if not s.multi_query:  # [q | k | v] per head
+            query, key, value = mixed.unflatten(-1, (s.num_heads, 3 * s.head_dim)).transpose(1, 2).split(
+                s.head_dim, dim=-1)
             return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value.contiguous()
         heads, value = mixed.split([(s.num_heads + s.num_kv_heads) * s.head_dim, s.num_kv_heads * s.head_dim], dim=-1)
         # [batch, seq, heads, dim]: the tables' head axis moves beside the heads
@@ -1287,7 +1253,9 @@ def gathered_presents(presents, kv_cache):
     """As the original gathers them: tensors concatenated, anything else one item a layer."""
     if not isinstance(kv_cache, torch.Tensor):
         return presents + (kv_cache,)
-    return kv_cache if isinstance(presents, tuple) else torch.cat((presents, device_boundary(kv_cache, presents.device)))
+    if isinstance(presents, tuple):  # the first layer's
+        return kv_cache
+    return torch.cat((presents, device_boundary(kv_cache, presents.device)))
 
 
 # ======================================================================================================================
@@ -1427,8 +1395,17 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     def get_masks(self, input_ids, past_key_values, padding_mask=None):
         """The original's mask [batch, 1, seq, past + seq], True where a query must not look."""
         batch_size, seq_length = input_ids.shape[:2]  # GLM-4V's original passes the embeddings here
-        return original_attention_mask(padding_mask, batch_size, seq_length, cached_length_of(past_key_values),
-                                       input_ids.device)
+        past_length, device = cached_length_of(past_key_values), input_ids.device
+        allowed = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).tril_()
+        if past_length:
+            allowed = torch.cat((allowed.new_ones(seq_length, past_length), allowed), dim=-1)
+        allowed = allowed.expand(batch_size, -1, -1)
+        if padding_mask is not None:
+            padding = padding_mask.to(device) != 0
+            allowed = allowed & padding[:, None, :]
+            if not past_length:
+                allowed = allowed | ~padding[:, :, None]
+        return ~allowed[:, None]
 
     def get_position_ids(self, input_ids, device):
         """Positions 0 .. seq - 1 for every row (the original's; this model's forward counts left padding out)."""
@@ -1670,7 +1647,6 @@ def find_companion(name: str, config=None, checkpoint=None, **hub_kwargs) -> Opt
     if not source:
         return None
     from transformers.utils import cached_file
-
     try:
         found = cached_file(source, f"{name}.py", revision=revision, _raise_exceptions_for_missing_entries=False,
                             **hub_kwargs)
@@ -1757,11 +1733,6 @@ def prefix_length(model: nn.Module) -> int:
     return encoder.pre_seq_len if encoder is not None else 0
 
 
-def cached_prefix(model: "ChatGLMModel", past) -> int:
-    """How many of `past` cached slots are prefix: pre_seq_len once a forward wrote them (an empty cache has none)."""
-    return prefix_length(model) if not (isinstance(past, int) and past == 0) else 0
-
-
 @dataclass(frozen=True)
 class PrefixEntry:
     """The layers' cache, the prefix's `slots` (0: the identity), the slots cached before this step."""
@@ -1840,24 +1811,6 @@ class InvalidScoreLogitsProcessor(LogitsProcessor):
         return scores
 
 
-def checked_history(history) -> list:
-    """A copy of a chat history: a list of {"role", "content"[, "metadata", "tools"]} dicts (ChatGLM3's format)."""
-    if history is None:
-        return []
-    if not isinstance(history, (list, tuple)):
-        raise ValueError(f"history must be a list of messages, got {type(history).__name__}.")
-    for index, message in enumerate(history):
-        if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(
-                f"history[{index}] must be a dict with 'role' and 'content' (ChatGLM3's format, as chat() returns "
-                f"it), got {message!r}. (query, response) pairs are ChatGLM2's format: for a ChatGLM2 checkpoint "
-                "load its tokenizer as ChatGLM2's, AutoTokenizer.from_pretrained(..., chatglm_family='chatglm2')."
-            )
-        if message["role"] not in CHAT_ROLES:
-            raise ValueError(f"history[{index}] has role {message['role']!r}; the roles are {', '.join(CHAT_ROLES)}.")
-    return [with_text_content(dict(message), index) for message in history]
-
-
 def with_text_content(message: dict, index: int) -> dict:
     """OpenAI-style content parts joined: a GLM template would write a list into the prompt as its repr."""
     parts = message.get("content")
@@ -1874,30 +1827,6 @@ def with_text_content(message: dict, index: int) -> dict:
             raise ValueError(f"{where} is a text part without a str 'text': {part!r:.100}.")
     message["content"] = "".join(part["text"] for part in parts)
     return message
-
-
-def chat_stop_ids(tokenizer) -> list:
-    """Generation stops at the end of text and where the model hands the turn back: `<|user|>`, `<|observation|>`."""
-    return [tokenizer.eos_token_id, tokenizer.get_command("<|user|>"), tokenizer.get_command("<|observation|>")]
-
-
-def chat_inputs(tokenizer, query: str, history: list, role: str, continuing: bool = False):
-    """Model inputs for `history` + (`role`, `query`), ending where the assistant answers: ChatGLM3's
-    `build_chat_input`, or the tokenizer's chat template (GLM-4). `continuing` (a cache holds the history): only the
-    ids that follow the history, so that the cache and they make the whole conversation (new_turn_inputs)."""
-    if role not in CHAT_ROLES:
-        raise ValueError(f"role={role!r} is not a chat role; the roles are {', '.join(CHAT_ROLES)}.")
-    if not isinstance(query, str):
-        raise ValueError(f"query must be a str, got {type(query).__name__}.")
-    if hasattr(tokenizer, "build_chat_input"):
-        if not continuing:
-            return dict(tokenizer.build_chat_input(query, history=history, role=role))
-        # ChatGLM3's layout: get_prefix_tokens() ([gMASK] sop), then one block per message; the cache holds the
-        # prefix and the history's blocks, the new message's block follows.
-        prefix = len(tokenizer.get_prefix_tokens())
-        return {name: value[:, prefix:] for name, value in tokenizer.build_chat_input(query, role=role).items()}
-    inputs = dict(rendered_chat(tokenizer, history + [{"role": role, "content": query}], True))
-    return new_turn_inputs(tokenizer, history, inputs) if continuing else inputs
 
 
 def rendered_chat(tokenizer, messages: list, add_generation_prompt: bool):
@@ -1953,12 +1882,44 @@ def chatglm2_stream_inputs(tokenizer, query: str, history: list):
 
 
 class RoleChat:
-    """ChatGLM3's chat, and GLM-4's through its chat template: a history of role messages, stops at the end of text
-    or where the model hands the turn back, answers (and tool calls) read by process_response."""
+    """ChatGLM3's chat, and GLM-4's through its template: role messages; answers and tool calls by process_response."""
 
-    checked_history = staticmethod(checked_history)
-    inputs = staticmethod(chat_inputs)
-    stop_ids = staticmethod(chat_stop_ids)
+    @staticmethod
+    def checked_history(history) -> list:
+        """A copy of a history of {"role", "content"[, "metadata", "tools"]} dicts (ChatGLM3's format)."""
+        if history is None:
+            return []
+        if not isinstance(history, (list, tuple)):
+            raise ValueError(f"history must be a list of messages, got {type(history).__name__}.")
+        for index, message in enumerate(history):
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(
+                    f"history[{index}] must be a dict with 'role' and 'content' (ChatGLM3's format, as chat() returns "
+                    f"it), got {message!r}. (query, response) pairs are ChatGLM2's format: for a ChatGLM2 checkpoint "
+                    "load its tokenizer as ChatGLM2's, AutoTokenizer.from_pretrained(..., chatglm_family='chatglm2').")
+            if message["role"] not in CHAT_ROLES:
+                raise ValueError(f"history[{index}] has role {message['role']!r}; the roles are "
+                                 f"{', '.join(CHAT_ROLES)}.")
+        return [with_text_content(dict(message), index) for message in history]
+
+    @staticmethod
+    def inputs(tokenizer, query: str, history: list, role: str, continuing: bool = False):
+        """Inputs up to the answer; `continuing` (a cache holds the history): only the ids that follow it."""
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role={role!r} is not a chat role; the roles are {', '.join(CHAT_ROLES)}.")
+        if not isinstance(query, str):
+            raise ValueError(f"query must be a str, got {type(query).__name__}.")
+        if hasattr(tokenizer, "build_chat_input"):
+            if not continuing:
+                return dict(tokenizer.build_chat_input(query, history=history, role=role))
+            prefix = len(tokenizer.get_prefix_tokens())  # [gMASK] sop, then a block per message: the cache holds them
+            return {name: value[:, prefix:] for name, value in tokenizer.build_chat_input(query, role=role).items()}
+        inputs = dict(rendered_chat(tokenizer, history + [{"role": role, "content": query}], True))
+        return new_turn_inputs(tokenizer, history, inputs) if continuing else inputs
+
+    @staticmethod
+    def stop_ids(tokenizer) -> list:
+        return [tokenizer.eos_token_id, tokenizer.get_command("<|user|>"), tokenizer.get_command("<|observation|>")]
 
     @staticmethod
     def reply(model, text: str, history: list, query: str, role: str):
@@ -1993,11 +1954,8 @@ class ChatGLM2Chat:
 def chat_format(tokenizer):
     """The one choice of chat format: ChatGLM2's for a ChatGLM2 tokenizer (ours or the original), else roles."""
     family = getattr(tokenizer, "chatglm_family", None)
-    if family == "chatglm2" or (
-        family is None and hasattr(tokenizer, "build_prompt") and not hasattr(tokenizer, "build_chat_input")
-    ):
-        return ChatGLM2Chat
-    return RoleChat
+    original = family is None and hasattr(tokenizer, "build_prompt") and not hasattr(tokenizer, "build_chat_input")
+    return ChatGLM2Chat if family == "chatglm2" or original else RoleChat
 
 
 def parse_tool_call(content: str) -> Optional[dict]:
@@ -2019,12 +1977,6 @@ def parse_tool_call(content: str) -> Optional[dict]:
         return {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
     except (SyntaxError, ValueError):
         return None
-
-
-def chat_form_of(config) -> str:
-    """"rounds" for a ChatGLM2 checkpoint (its chat methods have no `role`), else "roles"."""
-    variant = checkpoint_variant(config)
-    return "rounds" if variant and CHECKPOINT_VARIANTS[variant]["chat"] == "rounds" else "roles"
 
 
 class ChatForm:
@@ -2060,10 +2012,8 @@ class ChatMixin:
             history.append({"role": "assistant", "metadata": metadata, "content": content})
             has_tools = bool(history) and history[0].get("role") == "system" and "tools" in history[0]
             parameters = parse_tool_call(content) if has_tools else None
-            if parameters is not None:
-                content = {"name": metadata.strip(), "parameters": parameters}
-            else:
-                content = {"name": metadata.strip(), "content": content}
+            key, value = ("content", content) if parameters is None else ("parameters", parameters)
+            content = {"name": metadata.strip(), key: value}
         return content, history
 
     def process_response_in_rounds(self, response: str) -> str:
@@ -2154,10 +2104,8 @@ class ChatMixin:
         processors and stopping criteria; a setting that needs another search (`num_beams > 1`) is refused."""
         config, model_inputs = self._prepare_generation_config(generation_config, **kwargs)
         check_streamable(config)
-        attention_mask = model_inputs.pop("attention_mask", None)
-        position_ids = model_inputs.pop("position_ids", None)
-        past_key_values = model_inputs.pop("past_key_values", None)
-        tokenizer = model_inputs.pop("tokenizer", None)
+        attention_mask, position_ids, past_key_values, tokenizer = (
+            model_inputs.pop(name, None) for name in ("attention_mask", "position_ids", "past_key_values", "tokenizer"))
         if model_inputs:
             raise ValueError(f"stream_generate() got unexpected arguments: {', '.join(sorted(model_inputs))}.")
         device = execution_device(self.transformer.output_layer) or input_ids.device
@@ -2199,7 +2147,7 @@ class ChatMixin:
     def cached_tokens(self, cache) -> int:
         """Tokens a cache holds, without a P-tuning v2 prefix's slots (which a non-empty cache leads with)."""
         length = cache.get_seq_length()
-        return length - cached_prefix(self.transformer, length)
+        return length if isinstance(length, int) and length == 0 else length - prefix_length(self)
 
     def quantize(self, bits: int, empty_init=False, device=None, storage: str = "library", **kwargs):
         """The original's `model.quantize(bits)`: the blocks' linear layers through torchao (else optimum-quanto), or
@@ -2246,18 +2194,13 @@ def check_streamable(config):
 # ======================================================================================================================
 
 
-def as_tuple(loss, logits, outputs) -> tuple:
-    """The return_dict=False outputs of a head: loss, logits, cache, hidden states, attentions, leaving out None."""
+def head_outputs(output_class, loss, logits, outputs, return_dict: bool):
+    """A head's ModelOutput, or with return_dict=False its values without the None ones."""
+    if return_dict:
+        return output_class(loss=loss, logits=logits, **cache_output(returned_cache(outputs)),
+                            hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     values = (loss, logits, returned_cache(outputs), outputs.hidden_states, outputs.attentions)
     return tuple(v for v in values if v is not None)
-
-
-def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """position_ids given to generate() cover the prompt (the GLM tokenizers return them); the tokens generated
-    after it continue from the last prompt position. transformers before 5.x does not extend them itself."""
-    missing = length - position_ids.shape[-1]
-    steps = torch.arange(1, missing + 1, device=position_ids.device, dtype=position_ids.dtype)
-    return torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
 
 
 def warn_beyond_seq_length(config, max_new_tokens, generation_config):
@@ -2281,7 +2224,8 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         self.transformer = ChatGLMModel(config, empty_init=empty_init, device=device)
         self.max_sequence_length = getattr(config, "max_length", 20)  # the original's (5.x configs lack max_length)
         self.quantized = weight_storage(config) != "float"
-        self.chat_form = chat_form_of(config)
+        variant = checkpoint_variant(config)  # ChatGLM2's chat methods have no `role`
+        self.chat_form = "rounds" if variant and CHECKPOINT_VARIANTS[variant]["chat"] == "rounds" else "roles"
         self.post_init()
 
     def get_output_embeddings(self):
@@ -2308,14 +2252,11 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
             images=images, **loss_kwargs)
         hidden_states = outputs.last_hidden_state
-        if return_last_logit:
-            logits_to_keep = 1
-        if isinstance(logits_to_keep, int):
-            if logits_to_keep:
-                hidden_states = hidden_states[:, -logits_to_keep:]
-        else:
+        logits_to_keep = 1 if return_last_logit else logits_to_keep
+        if not isinstance(logits_to_keep, int):
             hidden_states = hidden_states[:, logits_to_keep]
-        # Hidden states to the output layer's device; labels and the item count to the logits' device.
+        elif logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
         output_layer = self.transformer.output_layer
         logits = output_layer(device_boundary(hidden_states, execution_device(output_layer)))
 
@@ -2327,15 +2268,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
                     input_ids, loss_args["shift_labels"], shifted=True)
         if labels is not None or loss_args.get("shift_labels") is not None:
             loss = self.lm_loss(logits, labels, **loss_args)
-        if not return_dict:
-            return as_tuple(loss, logits, outputs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **cache_output(returned_cache(outputs)),
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+        return head_outputs(CausalLMOutputWithPast, loss, logits, outputs, return_dict)
 
     def lm_loss(self, logits, labels, shift_labels=None, ignore_index=-100, num_items_in_batch=None):
         """transformers' causal-LM loss, with the targets and the item count on the logits' device."""
@@ -2385,7 +2318,10 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
                                     input_ids.shape[-1] + prefix_length(self),
                                     f"the {input_ids.shape[-1]} tokens of the sequence so far")
         if position_ids is not None and inputs_embeds is None and position_ids.shape[-1] < input_ids.shape[-1]:
-            position_ids = extend_position_ids(position_ids, input_ids.shape[-1])
+            # The prompt's positions (the GLM tokenizers return them) continued, as 5.x does itself.
+            steps = torch.arange(1, input_ids.shape[-1] - position_ids.shape[-1] + 1, device=position_ids.device,
+                                 dtype=position_ids.dtype)
+            position_ids = torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
         if _HAS_GENERIC_PREPARE_INPUTS:
             model_inputs = super().prepare_inputs_for_generation(
                 input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -2440,12 +2376,7 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
         loss = None
         if labels is not None:
             loss = self.classification_loss(logits.float(), device_boundary(labels, logits.device))
-        if not return_dict:
-            return as_tuple(loss, logits, outputs)
-        return SequenceClassifierOutputWithPast(
-            loss=loss, logits=logits, **cache_output(returned_cache(outputs)),
-            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-        )
+        return head_outputs(SequenceClassifierOutputWithPast, loss, logits, outputs, return_dict)
 
     def classification_loss(self, logits, labels):
         problem_type = self.config.problem_type
