@@ -922,7 +922,7 @@ def original_mask(mask, cache_position: torch.Tensor, key_length: Optional[int],
     keys = mask.shape[-1] if mask is not None else key_length
     allowed = (torch.arange(keys, device=cache_position.device) <= cache_position[:, None])[None, None]
     if mask is not None:  # flash's padding mask; a padded query sees every key, as in the original's prompt
-        padding = mask.to(allowed.device) != 0
+        padding = device_boundary(mask, allowed.device) != 0
         allowed = (allowed & padding[:, None, None, :]) | ~padding[:, None, -cache_position.shape[0]:, None]
     return ~allowed.expand(batch_size, 1, -1, -1)
 
@@ -1401,7 +1401,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             allowed = torch.cat((allowed.new_ones(seq_length, past_length), allowed), dim=-1)
         allowed = allowed.expand(batch_size, -1, -1)
         if padding_mask is not None:
-            padding = padding_mask.to(device) != 0
+            padding = device_boundary(padding_mask, device) != 0
             allowed = allowed & padding[:, None, :]
             if not past_length:
                 allowed = allowed | ~padding[:, :, None]
