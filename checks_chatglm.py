@@ -633,10 +633,9 @@ def check_targets(name: str, targets: Optional[torch.Tensor], logits: torch.Tens
 
 def check_target_values(labels, shift_labels, vocab_size: int, ignore_index: int) -> bool:
     """Each target a token id of the vocabulary or `ignore_index` (an id out of range would end in a CUDA device-side
-    assert); returns whether no position has a target at all. Values are read with one host sync unless compiling:
-    targets come with training forwards, never with decode steps. Both on one device."""
-    if torch.compiler.is_compiling():
-        return False
+    assert); returns whether no position has a target at all. Values are read with one host sync (the model skips
+    this while compiling or tracing): targets come with training forwards, never with decode steps. Both on one
+    device."""
     given = {name: targets for name, targets in (("labels", labels), ("shift_labels", shift_labels))
              if targets is not None}
     out_of_range = {name: (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))

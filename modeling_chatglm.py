@@ -1,60 +1,25 @@
 """ChatGLM2/3 and GLM-4: one decoder-only architecture, drop-in for the original remote code.
 
-Class names, module attribute names and state-dict keys are the original checkpoints' (`transformer.embedding.
-word_embeddings`, `transformer.encoder.layers.N.self_attention.query_key_value`, `transformer.output_layer`, ...), so a
-checkpoint saved by the original code loads with no missing or unexpected key. This file also works copied alone over
-an original checkpoint folder (it reads only the fields the original configuration classes define): it loads, runs,
-generates and chats; each optional capability lives in a companion file loaded on demand (`COMPANION_FILES`), whose
-absence an error names, and the load and input checks (checks_chatglm.py) are skipped without theirs, said once.
+Class names, module attributes and state-dict keys are the original checkpoints'. Copied alone over an original
+checkpoint folder, this file loads, runs, generates and chats (it reads only the original configuration classes'
+fields); each optional capability is a companion file loaded on demand (`COMPANION_FILES`), and without
+checks_chatglm.py the load and input checks are skipped, said once. Every move of a tensor to another device goes
+through `device_boundary(...)`, none through accelerate's hooks.
 
-Sections, in order: compatibility shims (each naming the transformers releases that need it); config and sizes;
-devices; KV cache; rotary embedding; attention (kernels, their dispatch, the mask builder, SelfAttention); MLP and
-norms; block and stack; base model; companion files; the seams of P-tuning v2 and GLM-4V into the base model's forward
-(`enter_prefix`, `enter_vision`); chat (a mixin the causal-LM head inherits); heads. Every place where a tensor moves to
-another device goes through `device_boundary(...)`: search for that name to list them all. No boundary relies on
-accelerate's hooks moving a tensor.
+Sections: compatibility shims; config and sizes; devices; KV cache; module contracts; rotary embedding; attention;
+MLP, norms; block and stack; base model; companion files; the P-tuning v2 and GLM-4V seams; chat; heads.
 
-Where to change what (section or file: names):
-  a new attention kernel        Attention: `attention_function` (dispatch), `build_attention_mask` (the mask it
-                                takes); its `_supports_*` flag on ChatGLMPreTrainedModel
-  the KV cache                  KV cache: `cache_for_forward`, `new_static_cache`; layers write only through
-                                `kv_cache.update` in SelfAttention; checks_chatglm.py: `cached_length` (its checks)
-  the KV cache across devices   each layer's keys stay on its device (SelfAttention's update); Devices:
-                                `device_boundary`, and `LayerInputs` (Attention) copies per-layer inputs per device
-  a device map, or its checks   checks_chatglm.py: `balanced_device_map`, `check_device_map`, `check_devices_exist`
-  a new transformers release    Compatibility shims: one flag or function per change, naming the release
-  a new THUDM checkpoint        Config and sizes: one row of `CHECKPOINT_VARIANTS` (rotary reading, tokenizer family,
-                                chat format, identifying fields), the same row in tokenization_chatglm.py's copy (each
-                                file must work copied alone, so the table is kept twice and tests/test_variants.py
-                                checks the copies are equal), and its golden case in tests/conftest.py's
-                                GOLDEN_CASES; which row a config is: `checkpoint_variant`
-  what this file reads of it    `rotary_reading` (RotaryEmbedding), `weight_storage` (quantization_bit)
-  a new config field or check   Config and sizes: `check_supported`, `complete_original_config`, and
-                                configuration_chatglm.py (its fields and validation)
-  checks of a checkpoint or of  checks_chatglm.py: `check_stored_dtypes` (integer storage, quantization_bit over float
-  the inputs                    weights, file damage), `check_loaded` (keys, NaN, inf), `check_fits_in_memory`,
-                                `check_inputs`, `check_targets`; what calls them: `check_supported`,
-                                ChatGLMPreTrainedModel.from_pretrained, and the thin `check_*` calls of Config and
-                                sizes
-  P-tuning v2 prefixes          ptuning_chatglm.py (`PrefixEncoder`, its cache, files and checks); here its seam
-                                `enter_prefix` and `prefix_encoder`
-  GLM-4V images                 visual.py: `EVA2CLIPModel.splice` (the seam); here `vision_tower`, `enter_vision`
-  a chat-template fix           tokenization_chatglm.py (this file only calls the tokenizer); chat() itself:
-                                Chat, `ChatMixin`, `chat_inputs`, `parse_tool_call`
-  a chat format (ChatGLM2's)    Chat: `chat_format` (the one choice, from the tokenizer), `RoleChat`,
-                                `ChatGLM2Chat`
-  loss, logits, generate()      Heads: `ChatGLMForConditionalGeneration`
-  tensor parallelism            parallel_chatglm.py
-  quantized weights (int4/int8) Config and sizes: `linear_layer` (the one choice); quantization_chatglm.py (its two
-                                kernels, exact and packed: `QuantizedLinear.use_kernel`, chosen after loading by
-                                `use_quantized_kernel`; `quantize`, what model.quantize(bits) runs)
-  a name the original objects   the class that has it (`CoreAttention` holds the attention's); ChatGLM2-only
-  had                           signatures: `ChatForm` (Chat); tests/test_surface.py reads testdata/surface
-  a call between modules        the original's contracts (testdata/surface/*-calls.json, tests/test_contracts.py):
-                                GLMTransformer (encoder), GLMBlock, SelfAttention, CoreAttention, RotaryEmbedding
-                                say what travels in each argument; `LayerInputs` carries this file's own values,
-                                `computes_unobserved` decides where a hooked or replaced module gets the original's
-                                tensors instead
+Where to change what:
+  attention kernel       `attention_function`, `build_attention_mask`; `_supports_*` on ChatGLMPreTrainedModel
+  KV cache, devices      `cache_for_forward`, `new_static_cache`, `kv_cache.update`; `device_boundary`, `placed_inputs`
+  transformers release   Compatibility shims: one flag or function per change, naming the release
+  THUDM checkpoint       `CHECKPOINT_VARIANTS`, here and in tokenization_chatglm.py; a golden case in tests/conftest.py
+  config field, checks   `check_supported`, `complete_original_config`; configuration_chatglm.py, checks_chatglm.py
+  optional capabilities  their companion files; here their seams `enter_prefix`, `enter_vision`, `linear_layer`
+  chat                   `ChatMixin`, `chat_format`, `parse_tool_call`; the templates: tokenization_chatglm.py
+  loss, logits, generate Heads: `ChatGLMForConditionalGeneration`
+  the original's names   the class that had them (testdata/surface); ChatGLM2's chat signatures: `ChatForm`
+  calls between modules  Module contracts: `LayerInputs`, `forward_replaced` (testdata/surface/*-calls.json)
 """
 import ast
 import copy
@@ -65,6 +30,7 @@ import os
 import re
 import shutil
 import sys
+import types
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -73,18 +39,15 @@ from pathlib import Path
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks  # (computes_unobserved)
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
-from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProcessorList
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPast,
-    CausalLMOutputWithPast,
-    SequenceClassifierOutputWithPast,
-)
+from transformers.generation import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList
+from transformers.modeling_outputs import (BaseModelOutputWithPast, CausalLMOutputWithPast,
+                                           SequenceClassifierOutputWithPast)
 from transformers.utils import logging
 
 from .configuration_chatglm import ChatGLMConfig
@@ -93,26 +56,22 @@ logger = logging.get_logger(__name__)
 
 
 # ======================================================================================================================
-# Compatibility shims: transformers 4.44.2 ... 5.x, torch 2.4 ... Each names the releases that need it; nothing else
-# lives here.
+# Compatibility shims: transformers 4.44.2 ... 5.x, torch 2.4 ...; each names the releases that need it
 # ======================================================================================================================
 
 
 def version_at_least(version: str, release: str) -> bool:
-    """Whether `version` is the "major.minor" `release` or later, its development builds included. (Read without
-    `packaging`: transformers' remote-code check asks for every package a file imports.)"""
+    """Dev builds included. Not `packaging`: transformers' remote-code check asks for every package imported."""
     installed = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
     return installed >= tuple(int(part) for part in release.split("."))
 
 
 def transformers_at_least(release: str) -> bool:
-    """Whether the installed transformers is `release` or later. Releases are told apart by version, not by the name
-    of a parameter: 5.24 renamed the one that told 4.46 from 4.45 here."""
+    """By version, never by a parameter's name: 5.24 renamed the one that told 4.46 from 4.45 here."""
     return version_at_least(transformers.__version__, release)
 
 
 def torch_at_least(release: str) -> bool:
-    """Whether the installed torch is `release` or later."""
     return version_at_least(torch.__version__, release)
 
 
@@ -121,14 +80,11 @@ try:  # the attention-function registry appeared in 4.48
 except ImportError:
     ALL_ATTENTION_FUNCTIONS = None
 
-
 try:  # transformers' own sdpa kernel (4.48+): until 5.x added `pack_gqa` it expanded the key/value groups to every
     # head at every step (4.49, 4.53) or at every masked step (4.57, 5.0): a copy of each layer's cache per step.
     from transformers.integrations import sdpa_attention as _transformers_sdpa
 except ImportError:
     _transformers_sdpa = None
-
-
 _TRANSFORMERS_SDPA_EXPANDS_GROUPS = _transformers_sdpa is not None and not hasattr(_transformers_sdpa, "pack_gqa")
 
 try:  # the shared loss functions appeared in 4.46; their causal-LM loss takes `shift_labels` since 4.50
@@ -141,9 +97,7 @@ if causal_lm_loss is None or "shift_labels" not in inspect.signature(causal_lm_l
 
     def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
                        **kwargs):
-        """transformers < 4.50: the computation of its later ForCausalLMLoss. fp32; `labels` shifted left (the last
-        position gets `ignore_index`) unless `shift_labels` come already shifted (sequence / context parallelism);
-        summed and divided by `num_items_in_batch` when the Trainer gives it, else the mean."""
+        """transformers < 4.50: what its later ForCausalLMLoss computes."""
         logits = logits.float()
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -158,9 +112,7 @@ try:  # 4.52: blocks that checkpoint themselves when gradient checkpointing is o
 except ImportError:
 
     class GradientCheckpointingLayer(nn.Module):
-        """transformers < 4.52: the same contract. `gradient_checkpointing_enable()` sets `gradient_checkpointing`
-        and `_gradient_checkpointing_func` on every module that has the attribute; tensors that need gradients are
-        passed positionally (reentrant checkpointing sees only those)."""
+        """transformers < 4.52. Tensors that need gradients come positionally (reentrant checkpointing sees those)."""
 
         gradient_checkpointing = False
 
@@ -170,13 +122,11 @@ except ImportError:
             return super().__call__(*args, **kwargs)
 
 
-# 5.0 reads `_tied_weights_keys` as {tied key: source key} (and ties only through it); earlier versions read a list of
-# the tied keys and tie the output embeddings to the input ones through get_output_embeddings().
+# 5.0 reads `_tied_weights_keys` as {tied: source} and ties only through it; earlier releases read a list.
 _TIED_KEYS_ARE_A_MAPPING = hasattr(PreTrainedModel, "get_expanded_tied_weights_keys")
 
 
 def tied_weights_keys(output_key: str, input_key: str):
-    """`_tied_weights_keys` in the form the installed transformers reads; used when config.tie_word_embeddings."""
     return {output_key: input_key} if _TIED_KEYS_ARE_A_MAPPING else [output_key]
 
 
@@ -186,26 +136,18 @@ except ImportError:
     weight_init = nn.init
 
 
-# 4.46 to 4.52 do not register a remote-code model class for its auto class when they load it, so save_pretrained
-# wrote no code files beside the weights: the heads name theirs (`_auto_class`), as other versions set it.
+# 4.46 to 4.52 register no auto class for remote code (save_pretrained wrote no code files): the heads name theirs.
 
 # 4.56 added DynamicCache(config=...), and 5.0 builds its layers from the config.
 _DYNAMIC_CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
 
-
-# 5.x's Trainer calls activation_checkpointing_enable(activation_checkpointing_kwargs, every_n_layers, offload), with
-# gradient_checkpointing_enable() a deprecated alias of it; earlier releases have gradient_checkpointing_enable only.
-# The model overrides whichever is the entry point, so the Trainer never reaches the alias (and its warning).
+# 5.x's entry point; gradient_checkpointing_enable() is its deprecated alias there, which the model does not override.
 _HAS_ACTIVATION_CHECKPOINTING = hasattr(PreTrainedModel, "activation_checkpointing_enable")
-
 
 # 4.44 and 4.45 have no generic GenerationMixin.prepare_inputs_for_generation (the 4.44 one only raises).
 _HAS_GENERIC_PREPARE_INPUTS = transformers_at_least("4.46")
 
-
-# 4.44 builds the sampling warpers (temperature, top-k, top-p, min-p, typical-p, ...) apart (_get_logits_warper), and
-# generate() applies them after the logits processors to the logits in the model's dtype; 4.45 builds them into
-# _get_logits_processor and processes float32 logits. stream_generate() does as the release's generate().
+# 4.44 applies the sampling warpers apart, after the processors, to logits in the model's dtype; 4.45+ to fp32 ones.
 _WARPERS_APART = not transformers_at_least("4.45")
 
 
@@ -216,17 +158,13 @@ def release_logits_processors(model, config, device, **kwargs) -> LogitsProcesso
     return processors
 
 
-# 4.51 moved each step's logits to the device of generate()'s ids itself; 4.44 to 4.50 use
-# them where the output layer leaves them, so their ids must sit there too. Every release warns when the prompt's
-# device type differs from model.device's (the embedding's), 5.23+ not for a prompt on the CPU.
+# 4.51 moves each step's logits to generate()'s ids; 4.44 to 4.50 need the ids beside the logits (and warn there).
 _GENERATE_MOVES_LOGITS = transformers_at_least("4.51")
 _DEVICE_TYPE_WARNING = r"You are calling \.generate\(\) with the `input_ids` being on a device type different"
 
 
 def generation_device(model: nn.Module) -> torch.device:
-    """Where generate() keeps its ids, mask and new tokens: model.device, the device its check compares the prompt
-    with (4.51+; where the embedding's weights are offloaded, on `meta`, the device it computes on), or the logits'
-    device (4.44 to 4.50)."""
+    """model.device (4.51+; the embedding's execution device where offloaded to `meta`), or the logits' device."""
     if not _GENERATE_MOVES_LOGITS:
         return execution_device(model.transformer.output_layer) or model.device
     if model.device.type == "meta":
@@ -236,8 +174,7 @@ def generation_device(model: nn.Module) -> torch.device:
 
 @contextmanager
 def quiet_device_type_check(model: nn.Module, device: torch.device):
-    """4.44 to 4.50, ids on the logits' device (generation_device) of another type than model.device: generate()'s
-    warning about the prompt's device type is wrong for this model, and is not shown. Nothing is silenced elsewhere."""
+    """4.44 to 4.50 with the ids on the logits' device: generate()'s device-type warning is wrong, and silenced."""
     if _GENERATE_MOVES_LOGITS or device.type == model.device.type:
         yield
         return
@@ -246,15 +183,11 @@ def quiet_device_type_check(model: nn.Module, device: torch.device):
         yield
 
 
-# 5.24 renamed the KV-cache argument and output field: generate() passes `cache=` to the forward and reads
-# `outputs.cache`; `past_key_values` is deprecated there (removal planned for 5.40 / 6.0), and reading or writing it
-# logs a deprecation. Earlier releases know `past_key_values` only. The forwards take either name where the release
-# has both (never the two at once), and every output and call of this file uses the release's name.
+# 5.24 renamed the KV cache `cache` (`past_key_values` logs a deprecation): outputs and calls use the release's name.
 CACHE_NAME = "cache" if transformers_at_least("5.24") else "past_key_values"
 
 
 def caller_cache(past_key_values, cache):
-    """The cache a caller passed to a forward, as `past_key_values` (every release) or `cache` (5.24+)."""
     if cache is None:
         return past_key_values
     if CACHE_NAME != "cache":
@@ -267,49 +200,50 @@ def caller_cache(past_key_values, cache):
 
 
 def cache_output(cache) -> dict:
-    """The output field that holds the returned cache, under the release's name (for ModelOutput classes)."""
     return {CACHE_NAME: cache}
 
 
 def returned_cache(outputs):
-    """The cache a forward returned (a ModelOutput), read under the release's name."""
     return getattr(outputs, CACHE_NAME)
 
 
-# The static cache's length is `get_max_length` on 4.44, `get_max_cache_shape` on 4.46 to 5.x (4.46 to 4.57 log a
-# deprecation for `get_max_length`), and `get_max_length` again once 5.x restored it (5.16+ deprecate
-# `get_max_cache_shape`). A deprecated call logs, and logging inside a compiled graph breaks it.
+# The static cache's length: `get_max_length` on 4.44, `get_max_cache_shape` on 4.46 to 4.57 (which deprecate the
+# other), `get_max_length` on 5.x (5.16+ deprecate the other). A deprecation logs, which breaks a compiled graph.
 _MAX_LENGTH_QUERY = (
     "get_max_length"
     if hasattr(Cache, "get_max_length") and (transformers_at_least("5.0") or not hasattr(Cache, "get_max_cache_shape"))
-    else "get_max_cache_shape"
-)
+    else "get_max_cache_shape")
 
-
-# torch 2.5 added scaled_dot_product_attention(enable_gqa=True): key/value groups attend without being expanded.
-# torch 2.4 (GLM-4's own requirements name torch>=2.4.0) has no such argument: an unmasked prompt expands them once.
+# torch 2.5 added scaled_dot_product_attention(enable_gqa=True); on torch 2.4 an unmasked prompt expands the groups.
 _SDPA_HAS_GQA = torch_at_least("2.5")
+
+# torch 2.4 has is_fx_tracing alone; later releases' is_fx_tracing warns at each call (it answers for torch.export too).
+fx_symbolic_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or \
+    torch.fx._symbolic_trace.is_fx_tracing
+
+# torch 2.4's dynamo guards bound methods by equality; later releases guard a method's function by identity.
+_DYNAMO_COMPARES_FUNCTIONS = torch_at_least("2.5")
 
 
 def is_compiling() -> bool:
-    """torch.compiler.is_compiling (torch >= 2.3; False where torch lacks it)."""
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+    return torch.compiler.is_compiling()  # torch >= 2.3
 
 
-# torch 2.4's rms_norm is composite: in a half type it rounds the normalised value to the input's dtype and then
-# multiplies by the weight, two roundings where the original rounds once. Later releases' fused kernel multiplies in
-# fp32 and rounds once (torch 2.13 on CPU, measured), which lets a bf16/fp16 RMSNorm be one call instead of four.
-# Told by behaviour, once per device type and dtype, as the device's kernel decides it.
+def is_tracing() -> bool:
+    """torch.compile, jit.trace (OpenVINO) or fx (llm-compressor): what reads values steps aside (a trace freezes)."""
+    return is_compiling() or torch.jit.is_tracing() or fx_symbolic_tracing()
+
+
+# torch 2.4's rms_norm in a half type rounds twice where the original rounds once; later fused kernels round once
+# (torch 2.13 CPU, measured): a half-precision RMSNorm is then one call, not four. Told by behaviour, per device type.
 _RMS_NORM_ROUNDS_ONCE = {}
 
 
 def rms_norm_rounds_once(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether F.rms_norm(x, shape, weight) with x and weight in the half type `dtype` gives the original's numbers
-    bit for bit on `device`'s type (compared on a small sample; never tried while compiling: False there)."""
+    """Whether F.rms_norm gives the original's numbers bit for bit, on a small sample (False while tracing)."""
     key = (device.type, dtype)
     if key not in _RMS_NORM_ROUNDS_ONCE:
-        if is_compiling() or device.type == "meta":
+        if is_tracing() or device.type == "meta":
             return False
         generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
         x = (torch.randn(16, 256, generator=generator) * 3).to(device, dtype)
@@ -322,26 +256,20 @@ def rms_norm_rounds_once(device: torch.device, dtype: torch.dtype) -> bool:
 
 def static_cache_mask_before_4_53(attention_mask, sequence_length, target_length, cache_position, config,
                                   **kwargs):
-    """transformers 4.46 to 4.52 ask the base model for a static cache's mask, of a fixed shape so that a compiled
-    decode step is the same graph at every position (4.53+ build it themselves; 4.44/4.45 see
-    prepare_inputs_before_4_46)."""
+    """transformers 4.46 to 4.52 ask the model for a static cache's full-length mask (one compiled decode graph)."""
     return build_attention_mask(attention_implementation(config, False), attention_mask, cache_position[None],
                                 target_length, batch_size=attention_mask.shape[0], preallocated=True)
 
 
 def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, position_ids, inputs_embeds,
                                cache_position=None, use_cache=True, config=None, **kwargs):
-    """transformers 4.44 / 4.45, whose GenerationMixin has no generic input preparation: keep the tokens the cache
-    has not seen, given by `cache_position`, and the prompt embeddings on the first step only. A static cache gets its
-    mask at full length, so that a compiled decode step sees the same shapes at every position (as later versions
-    do)."""
+    """transformers 4.44 / 4.45 have no generic input preparation: this is what later releases do."""
     past_key_values = as_cache(past_key_values)  # the forward returns the legacy format it was given (PEFT's)
     past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
     first_step = past_length == 0
     if cache_position is None:
         cache_position = torch.arange(past_length, input_ids.shape[1], device=input_ids.device)
-    if not first_step:
-        # With inputs_embeds, input_ids hold only the generated tokens: take the newest ones.
+    if not first_step:  # (with inputs_embeds, input_ids hold only the generated tokens)
         input_ids = input_ids[:, -cache_position.shape[0]:]
     new_tokens = cache_position.shape[0]
     # Fresh copies of the slices: a slice keeps its parent's strides, which a compiled step guards on.
@@ -350,10 +278,8 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
     else:
         model_inputs = {"input_ids": input_ids.clone(memory_format=torch.contiguous_format)}
     static_length = max_cache_length(past_key_values) if past_key_values is not None else None
-    if first_step and type(past_key_values) is DynamicCache:
-        # The empty cache generate() made: passed as None, the forward makes its own. PEFT before 0.13 (the PEFT of
-        # these releases) injects its prefix-tuning key/values only where the cache it is handed is None.
-        past_key_values = None
+    if first_step and type(past_key_values) is DynamicCache:  # generate()'s empty cache: PEFT < 0.13 injects its
+        past_key_values = None  # prefix-tuning key/values only where it is handed None
     if static_length and attention_mask is not None and attention_mask.dim() == 2:
         if position_ids is None:  # the padding mask is about to become 4D: positions from it first
             position_ids = ChatGLMModel.default_position_ids(attention_mask, None, new_tokens)
@@ -372,30 +298,23 @@ def prepare_inputs_before_4_46(input_ids, past_key_values, attention_mask, posit
 # ======================================================================================================================
 
 
-# Files a user copies one at a time. modeling_chatglm.py may be copied alone over an original checkpoint folder that
-# keeps the original configuration_chatglm.py (every transformers release reads it), so this file reads only the fields
-# the original configuration classes define, and completes what transformers' Cache classes read.
-
-
 def complete_original_config(config):
-    """Fill in what the original configuration classes lack and transformers reads: `num_key_value_heads` and
-    `head_dim` (StaticCache), ChatGLM3's `num_hidden_layers` (the Cache classes from 4.56 on), and GLM-4's
-    `use_cache` (PretrainedConfig stopped defining it in 5.0). Ours defines them all."""
+    """What an original configuration class lacks and transformers reads: `num_key_value_heads`, `head_dim`
+    (StaticCache), `num_hidden_layers` (Cache, 4.56+), `use_cache` (5.0+); `rope_ratio` tells OpenVINO the layout."""
     derived = {"num_hidden_layers": config.num_layers, "num_key_value_heads": num_key_value_heads(config),
-               "head_dim": config.kv_channels, "use_cache": True}
+               "head_dim": config.kv_channels, "use_cache": True, "rope_ratio": 1}
     for name, value in derived.items():
         if not hasattr(config, name):
             setattr(config, name, value)
 
 
 def num_key_value_heads(config) -> int:
-    """Heads of keys and values: the multi-query groups, or every head without multi-query attention."""
     return config.multi_query_group_num if config.multi_query_attention else config.num_attention_heads
 
 
 @dataclass(frozen=True)
 class AttentionSizes:
-    """Head counts of one attention layer. Tensor parallelism gives each rank its own (smaller) sizes."""
+    """Head counts of one attention layer (a rank's under tensor parallelism)."""
 
     num_heads: int
     num_kv_heads: int
@@ -408,8 +327,7 @@ class AttentionSizes:
                    bool(config.multi_query_attention))
 
     @property
-    def groups(self) -> int:
-        """Query heads served by each key/value head."""
+    def groups(self) -> int:  # query heads per key/value head
         return self.num_heads // self.num_kv_heads
 
     @property
@@ -420,30 +338,21 @@ class AttentionSizes:
         return replace(self, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
-def block_parameter_count(config: ChatGLMConfig) -> int:
-    """Weights of one GLMBlock's linear layers (norms and biases are negligible)."""
+def block_parameter_count(config: ChatGLMConfig) -> int:  # (norms and biases negligible)
     sizes = AttentionSizes.from_config(config)
     return (sizes.qkv_features * config.hidden_size + sizes.num_heads * sizes.head_dim * config.hidden_size
             + 3 * config.ffn_hidden_size * config.hidden_size)
 
 
 def parameter_count(config: ChatGLMConfig) -> int:
-    """Weights of the whole model from its sizes alone: embedding, blocks, output layer."""
     return 2 * config.padded_vocab_size * config.hidden_size + config.num_layers * block_parameter_count(config)
 
 
-# ---- THUDM checkpoint variants -----------------------------------------------------------------------------------
-# What differs per released checkpoint, one row each. The same literal is in tokenization_chatglm.py (each file must
-# work copied alone, so neither imports it from the other; tests/test_variants.py checks the two are equal). This file
-# reads `rotary` and `chat`, the tokenizer reads `tokenizer` and `chat` (a pre-quantized checkpoint says so itself, in
-# config.json's quantization_bit: `weight_storage`). Columns:
-#   rotary     how rope_ratio is read: "base" rotates with the base 10000 * rope_ratio (ChatGLM3, GLM-4),
-#              "positions" divides the positions by rope_ratio with the base 10000 (chatglm2-6b-32k's own code)
+# ---- THUDM checkpoint variants: the same literal is in tokenization_chatglm.py (each file works copied alone) ----
+#   rotary     "base": base 10000 * rope_ratio; "positions": positions / rope_ratio (chatglm2-6b-32k's own code)
 #   tokenizer  "chatglm2" (5 control tokens, build_prompt), "chatglm3" (role tokens), "glm4" (ChatGLM4Tokenizer)
 #   chat       "rounds" (ChatGLM2's build_prompt), "roles" (ChatGLM3's build_chat_input), "template" (GLM-4's)
-#   fields     config.json values that only this checkpoint has (evidence when its name is lost); the name itself,
-#              the row's key, is evidence in config.json's _name_or_path and tokenizer_config.json's name_or_path
-# Adding a checkpoint: one row here and in tokenization_chatglm.py, and its golden case (tests/conftest.py).
+#   fields     config.json values only this checkpoint has: evidence when its name (the row's key) is lost
 CHECKPOINT_VARIANTS = {
     "chatglm2-6b": dict(rotary="base", tokenizer="chatglm2", chat="rounds", fields={}),
     "chatglm2-6b-32k": dict(rotary="positions", tokenizer="chatglm2", chat="rounds", fields={"rope_ratio": 16}),
@@ -462,8 +371,7 @@ CHECKPOINT_VARIANTS = {
 
 
 def variant_named(name) -> Optional[str]:
-    """The row a checkpoint name says: the longest row name found in its last part (a Hub id's model, a folder, or
-    a Hub cache folder `models--THUDM--<model>`), in any case. None: no row is named."""
+    """The longest row name in the name's last part (a Hub id's model, a folder, `models--THUDM--<model>`), or None."""
     if not isinstance(name, str) or not name:
         return None
     parts = [part for part in re.split(r"[\\/]", name.lower()) if part]
@@ -481,8 +389,7 @@ def variant_of_fields(config: dict) -> Optional[str]:
 
 
 def config_file_fields(config) -> dict:
-    """config.json as the checkpoint folder holds it (from_pretrained sets `_name_or_path` to the folder, which
-    drops the name config.json gives), or {} when the config does not come from a local folder."""
+    """config.json as the local checkpoint folder holds it (its `_name_or_path` is lost once loaded), else {}."""
     folder = getattr(config, "_name_or_path", None)
     path = os.path.join(folder, "config.json") if isinstance(folder, str) and folder else None
     if path is None or not os.path.isfile(path):
@@ -496,10 +403,7 @@ def config_file_fields(config) -> dict:
 
 
 def checkpoint_variant(config) -> Optional[str]:
-    """Which THUDM checkpoint `config` describes (a CHECKPOINT_VARIANTS row), or None: `chatglm_variant` when set
-    (written by save_pretrained where the reading is not the default, or by hand), else the names (config.json's
-    `_name_or_path`, the folder or Hub id loaded from), else the fields only one checkpoint has. Evidence that
-    contradicts the choice is named in a warning."""
+    """`chatglm_variant`, else the row the names or the fields say, or None; contradicting evidence is warned of."""
     chosen = getattr(config, "chatglm_variant", None)
     if chosen is not None:
         if chosen not in CHECKPOINT_VARIANTS:
@@ -522,26 +426,17 @@ def checkpoint_variant(config) -> Optional[str]:
             f"This checkpoint is taken as {chosen} (rotary: {CHECKPOINT_VARIANTS[chosen]['rotary']}) from "
             f"{'; '.join(f'{where}: {row}' for where, row in evidence)}. The rotary embedding of these checkpoints "
             "differs: if that is not the checkpoint, set \"chatglm_variant\" in config.json to the right one of "
-            f"{', '.join(CHECKPOINT_VARIANTS)}."
-        )
+            f"{', '.join(CHECKPOINT_VARIANTS)}.")
     return chosen
 
 
-def rotary_reading(config) -> str:
-    """How this checkpoint's rope_ratio is read ("base" or "positions", see CHECKPOINT_VARIANTS)."""
-    variant = checkpoint_variant(config)
-    return CHECKPOINT_VARIANTS[variant]["rotary"] if variant else "base"
-
-
 def weight_storage(config) -> str:
-    """How the weights are stored: "float", or "int4" / "int8" for a pre-quantized checkpoint (quantization_bit)."""
+    """"float", or "int4" / "int8" for a pre-quantized checkpoint (config.quantization_bit)."""
     bits = getattr(config, "quantization_bit", 0) or 0
     return f"int{bits}" if bits else "float"
 
 
 def linear_layer(config):
-    """The constructor of the blocks' linear layers: nn.Linear, or for a pre-quantized checkpoint the int8-stored
-    QuantizedLinear of the companion file quantization_chatglm.py (imported only for such a checkpoint)."""
     if weight_storage(config) == "float":
         return nn.Linear
     return import_companion("quantization_chatglm", config).quantized_linear(config.quantization_bit)
@@ -562,8 +457,7 @@ def check_supported(config: ChatGLMConfig):
         raise ValueError(
             f"The config lacks {', '.join(missing)}, which this modeling_chatglm.py reads: its configuration class "
             f"({type(config).__module__}) is not a ChatGLM2/3 or GLM-4 one, or is older than this file. Copy this "
-            "repository's configuration_chatglm.py into the checkpoint folder too."
-        )
+            "repository's configuration_chatglm.py into the checkpoint folder too.")
     checks = load_checks(config)
     validate = getattr(config, "validate_chatglm", None)  # ours checks every field; the original class checks nothing
     if callable(validate):
@@ -572,19 +466,16 @@ def check_supported(config: ChatGLMConfig):
         checks.validate_config(config)
     complete_original_config(config)
     if weight_storage(config) not in ("float", "int4", "int8"):
-        raise ValueError(
-            f"config.quantization_bit={config.quantization_bit}: checkpoints quantized by the original code store 4 "
-            "or 8 bits (0: float weights). Fix quantization_bit in config.json to the width the weights were saved with."
-        )
+        raise ValueError(f"config.quantization_bit={config.quantization_bit}: checkpoints quantized by the original "
+                         "code store 4 or 8 bits (0: float weights). Fix quantization_bit in config.json to the width "
+                         "the weights were saved with.")
     if checks is not None:
         checks.check_fits_in_memory(config, parameter_count(config))
 
 
-# The checks of what the forwards are given (shapes and dtypes; values where reading them costs no device sync) live
-# in checks_chatglm.py with the load checks, skipped like them where that file is missing. These are their calls.
-
-
 def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values):
+    if is_tracing():  # torch.fx hands proxies, not tensors (llm-compressor's default pipeline)
+        return
     checks = load_checks(model.config)
     if checks is not None:
         capacity = max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None
@@ -609,17 +500,16 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int):
 
 
 def device_boundary(tensor: Optional[torch.Tensor], device: Optional[torch.device]) -> Optional[torch.Tensor]:
-    """Every crossing of a tensor to another device in this file goes through here (None: stay)."""
-    if tensor is None or device is None or tensor.device == device:
+    """Every crossing of a tensor to another device in this file goes through here (None: stay). A torch.fx proxy
+    (llm-compressor's trace) has no device of its own: it stays, as the original's tensors do (the device hooks of
+    accelerate move them)."""
+    if tensor is None or device is None or not isinstance(tensor, torch.Tensor) or tensor.device == device:
         return tensor
     return tensor.to(device)
 
 
 def execution_device(module: nn.Module) -> Optional[torch.device]:
-    """Where `module` computes: the device of its weights, or accelerate's execution device when its weights are
-    offloaded (then they live on `meta` between calls). None for a module that holds no tensor of its own (a layer
-    replaced by torch.ao's dynamic quantization keeps packed weights only): it computes where its input is, and
-    `device_boundary(x, None)` leaves x where it is."""
+    """Its weights' device or accelerate's execution device; None without tensors (torch.ao's dynamic quantization)."""
     hook = module.__dict__.get("_hf_hook")  # accelerate sets it as a plain attribute
     if getattr(hook, "execution_device", None) is not None:
         return torch.device(hook.execution_device)
@@ -629,9 +519,7 @@ def execution_device(module: nn.Module) -> Optional[torch.device]:
 
 
 def first_tensor(module: nn.Module, kind: str) -> Optional[torch.Tensor]:
-    """The first parameter (kind "_parameters") or buffer ("_buffers") of `module` and its submodules, in the order
-    of module.parameters() / buffers() but without their generators, which cost 20 µs a call (several calls a layer
-    per decode step)."""
+    """The first of parameters() or buffers() without their generators' 20 µs (several calls a layer per step)."""
     for tensor in getattr(module, kind).values():
         if tensor is not None:
             return tensor
@@ -643,8 +531,7 @@ def first_tensor(module: nn.Module, kind: str) -> Optional[torch.Tensor]:
 
 
 def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
-    """An explicit device map for `devices` (e.g. ["cuda:0", "cuda:1"]) that balances the parameter count, each block
-    whole (checks_chatglm.py builds it; the successor of ChatGLM3's `load_model_on_gpus`, whose maps missed modules)."""
+    """A device map for `devices` (e.g. ["cuda:0", "cuda:1"]) balancing the parameter count, each block whole."""
     vision = getattr(config, "vision_config", None) and import_companion("visual", config).parameter_count(config)
     return import_companion("checks_chatglm", config).balanced_device_map(config, devices,
                                                                            block_parameter_count(config), vision or 0)
@@ -653,9 +540,7 @@ def balanced_device_map(config: ChatGLMConfig, devices) -> dict:
 # ======================================================================================================================
 # KV cache
 # ======================================================================================================================
-# transformers' Cache classes, used as they are: every constructor and adapter this file needs is here. Layer l's keys
-# and values stay on layer l's device (the Cache classes place them where they arrive). A cache may lead with slots no
-# token covers (a P-tuning v2 prefix: `cached_prefix`), and a GLM-4V cache holds image rows (visual.py counts them).
+# transformers' Cache classes as they are. A cache may lead with a P-tuning v2 prefix, and hold GLM-4V's image rows.
 
 
 def dynamic_cache_kwargs(config: ChatGLMConfig) -> dict:
@@ -668,8 +553,7 @@ def new_dynamic_cache(config: ChatGLMConfig) -> DynamicCache:
 
 def new_static_cache(config: ChatGLMConfig, batch_size: int, max_cache_len: int, dtype: torch.dtype,
                      layer_devices: list) -> StaticCache:
-    """A StaticCache built by hand. 4.44-4.55 allocate it up front (batch size, dtype, a device; 4.47-4.55 put each
-    layer on its own with `layer_device_map`); 4.56+ allocate each layer lazily where its first keys arrive."""
+    """4.44-4.55 allocate it up front (4.47+ per layer with `layer_device_map`); 4.56+ where the keys arrive."""
     accepted = inspect.signature(StaticCache.__init__).parameters
     batch_name = "max_batch_size" if "max_batch_size" in accepted else "batch_size"
     optional = {batch_name: batch_size, "dtype": dtype, "device": layer_devices[0]}
@@ -680,20 +564,17 @@ def new_static_cache(config: ChatGLMConfig, batch_size: int, max_cache_len: int,
 
 
 def as_cache(past_key_values) -> Optional[Cache]:
-    """past_key_values as a Cache: a legacy tuple of (key, value) per layer, each [batch, kv_heads, seq, head_dim],
-    converted where transformers still converts them (< 5.0); a Cache, or None, as given."""
+    """A Cache, or None, as given; legacy (key, value) tuples converted where transformers still can (< 5.0)."""
     if not isinstance(past_key_values, (tuple, list)):
         return past_key_values
     if not hasattr(DynamicCache, "from_legacy_cache"):
         raise TypeError(
             f"past_key_values as a tuple of tensors is not supported with transformers {transformers.__version__}: "
-            "pass the Cache object a previous call returned (or a transformers DynamicCache)."
-        )
+            "pass the Cache object a previous call returned (or a transformers DynamicCache).")
     return DynamicCache.from_legacy_cache(past_key_values)
 
 
 def cached_length_of(past_key_values) -> int:
-    """Tokens a cache holds: a Cache, a legacy tuple of (key, value) [batch, kv_heads, seq, dim] per layer, or None."""
     if not past_key_values:
         return 0
     if isinstance(past_key_values, Cache):
@@ -702,9 +583,7 @@ def cached_length_of(past_key_values) -> int:
 
 
 def cache_for_forward(past_key_values, config: ChatGLMConfig, use_cache: bool) -> Tuple[Optional[Cache], bool]:
-    """The cache a forward reads and writes, and whether the caller gave legacy tuples (it gets tuples back). A cache
-    given with use_cache=False is still read, as the original and transformers' models do; only a cache this call
-    would create is skipped."""
+    """The cache, and whether the caller gave tuples. One given with use_cache=False is still read, as elsewhere."""
     cache = as_cache(past_key_values)
     if cache is None and use_cache:
         cache = new_dynamic_cache(config)
@@ -712,14 +591,12 @@ def cache_for_forward(past_key_values, config: ChatGLMConfig, use_cache: bool) -
 
 
 def cache_to_return(cache: Optional[Cache], use_cache: bool, legacy: bool):
-    """What a forward returns as past_key_values: nothing without use_cache, tuples to a caller who gave tuples."""
     if not use_cache:
         return None
     return cache.to_legacy_cache() if legacy else cache
 
 
-def max_cache_length(cache: Cache) -> Optional[int]:
-    """Preallocated length of a static cache, None for a cache that grows."""
+def max_cache_length(cache: Cache) -> Optional[int]:  # None for a cache that grows
     if isinstance(cache, DynamicCache):
         return None
     length = getattr(cache, _MAX_LENGTH_QUERY)()
@@ -732,20 +609,54 @@ def cache_is_empty(cache: Cache) -> bool:
 
 
 # ======================================================================================================================
+# Module contracts
+# ======================================================================================================================
+
+
+# Each module keeps the original's call (docs/serving-and-tools.md tabulates them). This file's forward hands over
+# cheaper values in the same slots, told apart by their form, never by whether anything watches: a LayerInputs as
+# rotary_pos_emb beside the kernel's own mask, keys and values per group with a KernelInputs as core_attention's mask,
+# position ids to rotary_pos_emb(). Every module also answers the original's call with the original's values, which
+# cross only into a module a tool replaced (`forward_replaced`). Only tensors, tuples, strings and None travel, which
+# tools that capture and replay a layer's arguments keep (GPTQModel, AutoRound).
+
+
+class LayerInputs(NamedTuple):
+    cos: torch.Tensor  # [batch or 1, 1, seq, head_dim] in the compute dtype (head_tables)
+    sin: torch.Tensor
+    cache_position: torch.Tensor  # [seq]: the cache slots of the new tokens
+    implementation: str  # the kernel of this forward (attention_implementation)
+    kernel_kwargs: tuple  # ((name, value), ...): extra arguments for the kernel (attention backends, packed rows)
+    attentions: Optional[list]  # with output_attentions: one slot per layer, written by its core_attention
+
+
+class KernelInputs(NamedTuple):
+    mask: Optional[torch.Tensor]
+    implementation: str
+    kernel_kwargs: tuple
+    attentions: Optional[list]
+
+
+def forward_replaced(module: nn.Module) -> bool:
+    """Whether a tool replaced this file's forward. Compared with the class's `_own_forward`, not this file's globals
+    (transformers 4.44 to 4.4x execute this file again at every load); under accelerate's hook, what it wrapped."""
+    own = getattr(module, "_own_forward", None)
+    if own is None:
+        return True
+    forward = module.__dict__["_old_forward"] if "_hf_hook" in module.__dict__ else module.forward
+    if not isinstance(forward, types.MethodType):  # a function set on the instance
+        return True
+    return forward.__func__ is not own.__func__ if _DYNAMO_COMPARES_FUNCTIONS else forward != own
+
+
+# ======================================================================================================================
 # Rotary position embedding
 # ======================================================================================================================
 
 
 class RotaryEmbedding(nn.Module):
-    """GLM's rotary embedding: the first half of each head's channels turns, as interleaved pairs, with the base
-    10000 * rope_ratio; chatglm2-6b-32k divides the positions by rope_ratio instead (`rotary_reading`). Every
-    rotary table of the model (cached steps, static cache, device maps, tensor parallelism, P-tuning) is this
-    module's.
-
-    Its `forward(max_seq_len, offset=0)` is the original's: the table of positions 0 .. max_seq_len - 1
-    [max_seq_len, dim / 2, (cos, sin)]. The model calls it as the original does (`rotary_pos_emb(seq_length)`, then
-    rows by position id) when a hook or a replaced `forward` observes it; otherwise it computes only the rows its
-    positions need (`cos_sin`), the same values, without a table of seq_length rows per forward."""
+    """Half of each head's channels turn in pairs, base 10000 * rope_ratio (chatglm2-6b-32k: positions / rope_ratio).
+    Called with an int, the original's table; with position ids, only their rows (`cos_sin`)."""
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
@@ -753,57 +664,45 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = config.kv_channels
         rope_ratio = getattr(config, "rope_ratio", 1)  # chatglm3-6b's original config has no rope_ratio
         self.rope_ratio = rope_ratio
-        divides_positions = rotary_reading(config) == "positions"
+        variant = checkpoint_variant(config)
+        divides_positions = variant is not None and CHECKPOINT_VARIANTS[variant]["rotary"] == "positions"
         self.base = 10000.0 * (1 if divides_positions else rope_ratio)
         self.position_divisor = float(rope_ratio) if divides_positions else 1.0
-        # Checkpoints store `inv_freq` (always with base 10000); the original never reads its values and neither do
-        # we: it keeps the state-dict key and marks the device the rotary table is computed on.
+        # The state-dict key, whose values nothing reads; it marks the rotary table's device.
         self.register_buffer("inv_freq", self.checkpoint_inv_freq(), persistent=True)
         self._register_load_state_dict_pre_hook(own_loaded_inv_freq, with_module=True)
 
     def checkpoint_inv_freq(self) -> torch.Tensor:
-        steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32)
-        return 1.0 / (10000 ** (steps / self.rotary_channels))
+        return self.theta(None, base=10000)
 
     def own_loaded_buffer(self):
-        """Loading casts the weights to the requested dtype but (transformers >= 4.53) keeps this fp32 buffer as the
-        checkpoint gave it: a view into the file's memory map, which keeps the whole shard mapped and resident.
-        Called after loading (5.x assigns it without load_state_dict): 32 floats of its own instead."""
+        """transformers >= 4.53 keep this buffer as a view of the checkpoint's memory map: its shard stays resident."""
         if self.inv_freq.device.type == "cpu":
             self.inv_freq = self.inv_freq.clone()
 
-    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        """The original's call: the table of positions 0 .. max_seq_len - 1 in inv_freq's dtype, on its device
-        (`offset` is accepted and, as in the original, not read)."""
+    def forward(self, max_seq_len, offset: int = 0):
+        """An int: the original's table in inv_freq's dtype (`offset` unread, as there); position ids: `cos_sin`."""
+        if isinstance(max_seq_len, torch.Tensor):
+            return self.cos_sin(max_seq_len)
         return self.forward_impl(max_seq_len, self.dim, dtype=self.inv_freq.dtype, device=self.inv_freq.device)
 
-    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The rows of `position_ids` [batch, seq] of the original's table, as the layers rotate with them
-        (`head_tables`): computed for those positions alone."""
+    _own_forward = forward  # the forward this class computes with (forward_replaced)
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: Optional[torch.dtype] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The original table's rows of `position_ids` [batch, seq], as the layers take them (`head_tables`)."""
         theta = self.theta(position_ids.device)
         positions = position_ids[..., None].float()
         if self.position_divisor != 1.0:  # position interpolation (chatglm2-6b-32k)
             positions = positions / self.position_divisor
         angles = positions * theta
-        return self.head_tables(angles.cos(), angles.sin(), dtype)
+        return head_tables(angles.cos(), angles.sin(), self.head_dim, dtype)
 
-    def head_tables(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [batch, seq, dim / 2] (one angle per pair) over a head's whole width: [batch, 1, seq,
-        head_dim]. On the turning channels each value repeats for its pair, sin with the pair's signs (-, +); the
-        other channels pass (cos 1, sin 0). Made once per forward, so that each layer turns its queries and keys in
-        four operators (SelfAttention.rotated_heads)."""
-        passing = self.head_dim - self.rotary_channels
-        cos = F.pad(cos.repeat_interleave(2, dim=-1), (0, passing), value=1.0)
-        sin = F.pad(torch.stack((-sin, sin), dim=-1).flatten(-2), (0, passing))
-        return cos[:, None].to(dtype), sin[:, None].to(dtype)
-
-    def theta(self, device: torch.device) -> torch.Tensor:
+    def theta(self, device: Optional[torch.device], base: Optional[float] = None) -> torch.Tensor:
         steps = torch.arange(0, self.rotary_channels, 2, dtype=torch.float32, device=device)
-        return 1.0 / (self.base ** (steps / self.rotary_channels))
+        return 1.0 / ((base or self.base) ** (steps / self.rotary_channels))
 
-    # The original's names: `dim` (rotated channels per head), `original_impl`, and its table of positions 0 ..
-    # seq_len - 1 as `forward_impl` computes it ([seq_len, n_elem / 2, (cos, sin)], half precision kept).
+    # The original's names; `forward_impl` computes its table, its half-precision rounding kept.
     dim = property(lambda self: self.rotary_channels)
     original_impl = True
 
@@ -820,17 +719,24 @@ class RotaryEmbedding(nn.Module):
 
 
 def own_loaded_inv_freq(module, state_dict, prefix, *args):
-    """load_state_dict pre-hook of RotaryEmbedding (4.x loads each tensor through it): the checkpoint's `inv_freq`
-    is copied as it arrives, so that the shard holding it is not kept mapped, and resident, while the other shards
-    load (the load of an fp32 checkpoint as bf16 otherwise peaked that shard's size above native Glm's)."""
+    """4.x: copied as it arrives, its shard is not kept resident while the others load (a peak above native Glm's)."""
     key = prefix + "inv_freq"
     if isinstance(state_dict.get(key), torch.Tensor) and state_dict[key].device.type == "cpu":
         state_dict[key] = state_dict[key].clone()
 
 
+def head_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, dtype: Optional[torch.dtype] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [batch, seq, pairs] over a head's width [batch, 1, seq, head_dim], repeated per pair, sin signed
+    (-, +), passing channels cos 1, sin 0: made once a forward, they turn a layer's heads in four operators."""
+    passing = head_dim - 2 * cos.shape[-1]
+    cos = F.pad(cos.repeat_interleave(2, dim=-1), (0, passing), value=1.0)[:, None]
+    sin = F.pad(torch.stack((-sin, sin), dim=-1).flatten(-2), (0, passing))[:, None]
+    return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Turn the pairs (x0, x1) of x [batch, heads, seq, head_dim] on RotaryEmbedding's tables: (x0 cos - x1 sin,
-    x1 cos + x0 sin), the original's products and sums (the sign rides on sin), the passing channels as they are."""
+    """(x0 cos - x1 sin, x1 cos + x0 sin) per pair of x [batch, heads, seq, head_dim]: the original's arithmetic."""
     return x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin
 
 
@@ -840,7 +746,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[batch, kv_heads, seq, dim] -> [batch, kv_heads * groups, seq, dim], each key/value head serving its queries."""
     if groups == 1:
         return x
     batch, kv_heads, seq, dim = x.shape
@@ -848,9 +753,7 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Attention as the original's CoreAttention computes it. With `apply_query_key_layer_scaling` the scores are
-    computed divided by the layer number and multiplied back after the upcast, so fp16 products cannot overflow;
-    the layer scaling forces the fp32 softmax, as in the original."""
+    """The original's arithmetic: layer scaling keeps fp16 scores from overflowing, and forces the fp32 softmax."""
     config = module.config
     groups = query.shape[1] // key.shape[1]  # 1 where the caller repeated them (the original's call of core_attention)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
@@ -868,11 +771,8 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA with the key/value groups kept as groups, so that no decode step copies the cache: one new token's query
-    heads attend as rows of their group (a mask broadcasts over them), an unmasked prompt uses torch's `enable_gqa`.
-    A masked prompt expands the groups once (CUDA's fused kernels take a mask or groups, not both), as transformers
-    does, and so does an unmasked prompt on torch < 2.5 (folding the groups into the query rows instead would need an
-    explicit causal mask of groups x prompt x keys, larger than the copy, and would lose the fused causal kernels)."""
+    """SDPA keeping the key/value groups, so no decode step copies the cache; a masked prompt (CUDA's fused kernels
+    take a mask or groups, not both) and torch < 2.5 expand them once (as query rows they would need a larger mask)."""
     batch, heads, query_length, dim = query.shape
     groups = heads // key.shape[1]  # 1 where the caller repeated them (the original's call of core_attention)
     if groups > 1 and query_length == 1:
@@ -886,24 +786,19 @@ def sdpa_grouped_attention_forward(module, query, key, value, attention_mask, dr
             key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            is_causal=attention_mask is None and query_length > 1, **({"enable_gqa": True} if grouped else {}),
-        )
+            is_causal=attention_mask is None and query_length > 1, **({"enable_gqa": True} if grouped else {}))
     return out.transpose(1, 2).contiguous(), None
 
 
 def attention_function(implementation: str):
-    """The attention kernel for `config._attn_implementation`: our eager one (it honours the original's fp32
-    softmax and query-key layer scaling), else transformers' registry; for sdpa our grouped kernel where
-    transformers has none (before 4.48) or its own expands the key/value groups (before 5.x's `pack_gqa`)."""
+    """Ours for eager, and for sdpa where transformers has none (< 4.48) or its own expands groups (no `pack_gqa`)."""
     if implementation in (None, "eager"):
         return eager_attention_forward
     if ALL_ATTENTION_FUNCTIONS is None:
         if implementation == "sdpa":
             return sdpa_grouped_attention_forward
-        raise ValueError(
-            f"attn_implementation={implementation!r} needs transformers >= 4.48 with this model; "
-            f"{transformers.__version__} is installed. Use 'sdpa' or 'eager', or upgrade transformers."
-        )
+        raise ValueError(f"attn_implementation={implementation!r} needs transformers >= 4.48 with this model; "
+                         f"{transformers.__version__} is installed. Use 'sdpa' or 'eager', or upgrade transformers.")
     if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
         kernel = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     else:
@@ -914,24 +809,19 @@ def attention_function(implementation: str):
 
 
 def attention_implementation(config: ChatGLMConfig, output_attentions: bool) -> str:
-    """The kernel of one forward: the configured one, or eager when attention weights are asked for (the fused and
-    flash kernels do not compute them; transformers' models fall back the same way)."""
+    """The configured kernel, or eager when attention weights are asked for (as transformers' models fall back)."""
     implementation = config._attn_implementation or "eager"
-    if output_attentions and implementation != "eager":
-        logger.warning_once(
-            f"output_attentions=True: the attention weights are computed by the eager kernel for those calls "
-            f"instead of {implementation!r} (slower, more memory). Load with attn_implementation='eager' to make it "
-            "the default."
-        )
-        return "eager"
-    return implementation
+    if not output_attentions or implementation == "eager":
+        return implementation
+    if not is_tracing():  # (logging breaks a compiled graph)
+        logger.warning_once("output_attentions=True: the attention weights are computed by the eager kernel for those "
+                            f"calls instead of {implementation!r} (slower, more memory). Load with "
+                            "attn_implementation='eager' to make it the default.")
+    return "eager"
 
 
 def packed_sequence_ids(position_ids: Optional[torch.Tensor], attention_mask, past_length) -> Optional[torch.Tensor]:
-    """Padding-free batches (DataCollatorWithFlattening, TRL packing) hold several sequences in one row, each
-    starting again at position 0. Returns, per token, the number of its sequence within the row ([batch or 1, new]),
-    or None when every row is one sequence. Only a prompt without a custom 4D mask can be packed; the check costs
-    one host sync per prompt (none per decode step)."""
+    """Padding-free batches (TRL packing) restart positions per sequence: each token's sequence number, or None."""
     if position_ids is None or not (isinstance(past_length, int) and past_length == 0) or position_ids.shape[-1] < 2:
         return None
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -939,14 +829,13 @@ def packed_sequence_ids(position_ids: Optional[torch.Tensor], attention_mask, pa
     steps = torch.diff(position_ids, dim=-1, prepend=position_ids[..., :1] - 1)
     restarts = (steps != 1) & ~((steps == 0) & (position_ids > 0))  # GLM-4V's image rows share one position
     sequence_ids = restarts.cumsum(-1)
-    if not is_compiling() and not bool(sequence_ids[..., -1].any()):
+    if not is_tracing() and not bool(sequence_ids[..., -1].any()):
         return None
     return sequence_ids
 
 
 def flash_varlen_kwargs(sequence_ids: torch.Tensor, position_ids: torch.Tensor, batch_size: int) -> dict:
-    """The flash kernels' own description of packed rows: the boundaries of every sequence in the flattened batch
-    (cu_seq_lens) and the longest one. transformers' flash path reads them when the mask is None (>= 4.48)."""
+    """Packed rows as the flash kernels take them (read when the mask is None, >= 4.48): cu_seq_lens, the longest."""
     sequence_ids = sequence_ids.expand(batch_size, -1)
     starts = F.pad(sequence_ids[:, 1:] != sequence_ids[:, :-1], (1, 0), value=True).flatten()
     boundaries = F.pad(starts.nonzero().flatten(), (0, 1), value=starts.numel()).to(torch.int32)
@@ -957,43 +846,23 @@ def flash_varlen_kwargs(sequence_ids: torch.Tensor, position_ids: torch.Tensor, 
 
 def build_attention_mask(implementation, attention_mask, query_positions, key_length, *, batch_size,
                          preallocated=False, sequence_ids=None, prefix=0):
-    """The mask the attention kernels take (the first of `attention_masks`)."""
-    return attention_masks(implementation, attention_mask, query_positions, key_length, batch_size=batch_size,
-                           preallocated=preallocated, sequence_ids=sequence_ids, prefix=prefix)[0]
-
-
-def attention_masks(implementation, attention_mask, query_positions, key_length, *, batch_size,
-                    preallocated=False, sequence_ids=None, prefix=0):
-    """The mask the attention kernels take, and the original's mask where the original builds one.
-
-    attention_mask: None, a [batch, past + new] padding mask (1 = token, 0 = padding), or a 4D mask (a custom one,
-    or one generate() prepared for a static cache: passed through). query_positions: [1, new], each query's slot in
-    the cache; preallocated: the cache has key_length slots, those beyond the last query unwritten (static caches).
-    sequence_ids: packed rows (packed_sequence_ids), each token attending only within its own sequence and to the
-    `prefix` slots (a P-tuning v2 prefix) that lead the cache.
-    Returns (ours, original). Ours: None (plain causal), a 2D [batch, key_length] padding mask for the flash kernels
-    (they apply causality and packing themselves), or a boolean [batch, 1, new, key_length] mask, True where a query
-    may attend. The original's (`original_attention_mask`, True where a query must NOT look) where its forward builds
-    one: a 2-D mask with padding, or several new tokens after cached ones; else None (as there; also for the steps of
-    a static cache, a custom 4D mask, which the original does not have, and the flash kernels' decode steps). It
-    costs no operator in a decode step.
-    """
+    """None (causal), flash's 2-D padding mask, or a boolean mask True where a query may look (a 4D mask given passes
+    through). query_positions [1, new]: cache slots; sequence_ids: packed rows, each seeing the `prefix` slots too."""
     if attention_mask is not None and attention_mask.dim() == 4:
-        return attention_mask, None
+        if implementation == "eager" and attention_mask.dtype == torch.bool:
+            # A query that sees no key (generate()'s static-cache masks are made for sdpa, which gives it zeros) sees
+            # every key: eager's softmax over nothing is NaN, which would reach real tokens at the next layer.
+            return attention_mask | ~attention_mask.any(dim=-1, keepdim=True)
+        return attention_mask
     query_length = query_positions.shape[-1]
-    # Without padding, causality alone is the mask when the keys end with the queries (a prompt, one token on a cache
-    # that grows) or when a prompt fills an empty preallocated cache (its unwritten slots lie beyond every query;
-    # reading the first position costs one host sync per prompt). Other steps on a static cache mask its unwritten slots.
+    # Without padding, causality alone is the mask when the keys end with the queries, or when a prompt fills an
+    # empty static cache (one host sync per prompt). Value-dependent shortcuts step aside while tracing.
     if preallocated:
-        prefill, decode = query_length > 1 and not is_compiling() and int(query_positions[0, 0]) == 0, False
+        prefill, decode = query_length > 1 and not is_tracing() and int(query_positions[0, 0]) == 0, False
     else:
         prefill, decode = query_length == key_length, query_length == 1
-    if attention_mask is not None and prefill and not is_compiling() and bool(attention_mask.all()):
+    if attention_mask is not None and prefill and not is_tracing() and bool(attention_mask.all()):
         attention_mask = None  # one host sync per prompt buys the fused causal kernels (none per decode step)
-    original = None
-    if not preallocated and not decode and (attention_mask is not None or not prefill):
-        original = original_attention_mask(attention_mask, batch_size, query_length, key_length - query_length,
-                                           query_positions.device)
     key_positions = torch.arange(key_length, device=query_positions.device)
     if implementation.startswith("flash"):
         if sequence_ids is not None and prefix:
@@ -1003,16 +872,14 @@ def attention_masks(implementation, attention_mask, query_positions, key_length,
             attention_mask = (key_positions[None] <= query_positions[:, -1:]).expand(batch_size, -1)
         if attention_mask is not None and attention_mask.shape[-1] < key_length:
             attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[-1]), value=0)
-        return attention_mask, original
+        return attention_mask
     if attention_mask is None and sequence_ids is None and (decode or (prefill and implementation == "sdpa")):
-        return None, original
-    if decode:  # one new token on a cache that grows: every key precedes it, the padding alone is the mask (the
-        # original's is its complement); a row of padding alone sees every key
-        blocked = padding_blocked(attention_mask)
-        return ~blocked | blocked.all(dim=-1, keepdim=True), blocked
+        return None
+    if decode:  # every key precedes the token: the padding is the mask (a row of padding alone sees every key)
+        allowed = (attention_mask != 0)[:, None, None, :]
+        return allowed | ~allowed.any(dim=-1, keepdim=True)
     mask = key_positions[None, None, :] <= query_positions[:, :, None]
-    if sequence_ids is not None:  # a prompt: every query sees the prefix slots, then the keys of its own sequence
-        # (a static cache's slots after the prompt are unwritten)
+    if sequence_ids is not None:  # the prefix slots, then the keys of the query's own sequence
         key_ids = F.pad(sequence_ids, (prefix, key_length - prefix - sequence_ids.shape[-1]), value=-1)
         mask = mask & ((sequence_ids[:, :, None] == key_ids[:, None, :]) | (key_positions < prefix)[None, None, :])
     if attention_mask is not None:
@@ -1020,128 +887,71 @@ def attention_masks(implementation, attention_mask, query_positions, key_length,
         if padding.shape[-1] < key_length:  # a static cache's slots beyond the mask are unwritten
             padding = F.pad(padding, (0, key_length - padding.shape[-1]), value=False)
         mask = mask & padding[:, None, :]
-    # A padding query sees no key at all; let it see every key so that its softmax stays finite (its output is
-    # never used by a real token).
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
-    return mask[:, None], original
+    mask = mask | ~mask.any(dim=-1, keepdim=True)  # a padding query sees every key: its softmax stays finite
+    return mask[:, None]
 
 
-def padding_blocked(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[batch, keys] padding mask -> [batch, 1, 1, keys], True at padding: the original's mask of a decode step."""
-    return (attention_mask == 0)[:, None, None, :]
+def placed_inputs(value, device: Optional[torch.device]):
+    """A layer's inputs with their tensors on `device`. Plain loops: torch 2.4's dynamo traces no such comprehension."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return device_boundary(value, device)
+    if not isinstance(value, tuple):
+        return value
+    items = []
+    for item in value:
+        items.append(placed_inputs(item, device))
+    return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
 
 
-def original_attention_mask(padding_mask, batch_size: int, query_length: int, past_length, device) -> torch.Tensor:
-    """The original's attention mask (its get_masks): [batch, 1, new, past + new], True where a query must NOT
-    look: causal, every cached slot visible, keys at padding (0 in the 2-D `padding_mask`, past included) hidden,
-    and in a prompt each padded query row sees every key."""
-    mask = torch.ones(batch_size, query_length, query_length, device=device).tril_()
-    if past_length:
-        mask = torch.cat((mask.new_ones(batch_size, query_length, past_length), mask), dim=-1)
-    if padding_mask is not None:
-        padding_mask = padding_mask.to(mask.dtype)  # (a boolean or integer mask too)
-        mask = mask * padding_mask.unsqueeze(1)
-        if not past_length:
-            mask -= padding_mask.unsqueeze(-1) - 1
-    return (mask < 0.5).unsqueeze(1)
+def as_original_call(hidden_states, attention_mask, rotary_pos_emb):
+    """(attention_mask, rotary_pos_emb) in the original's form, for a module whose forward a tool replaced."""
+    if not isinstance(rotary_pos_emb, tuple):
+        return attention_mask, rotary_pos_emb
+    cos, sin, cache_position = rotary_pos_emb[:3]
+    turning = cos.shape[-1] // 2  # the first half of a head's channels turns
+    rows = torch.stack((cos[:, 0, :, 0:turning:2], sin[:, 0, :, 1:turning:2]), dim=-1)
+    return original_mask(attention_mask, cache_position, None, hidden_states.shape[0]), rows
 
 
-class AttentionInputs(NamedTuple):
-    """What every layer reads besides the hidden states, on that layer's device."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    mask: Optional[torch.Tensor]  # attention_masks' first
-    cache_position: torch.Tensor  # the cache slots of the new tokens
-    implementation: str  # the kernel of this forward (attention_implementation)
-    kernel_kwargs: dict  # extra keyword arguments for the kernel (attention backends, packed flash rows)
-    weights: Optional[dict]  # with output_attentions: each layer's attention weights, by layer index (CoreAttention)
-
-
-class LayerInputs:
-    """What every layer reads besides the hidden states, made once per forward. The model hands it to the encoder,
-    and the encoder to each layer, in the original's `rotary_pos_emb` argument: tools that copy a layer's arguments
-    and call it again (GPTQ's layer replay) pass it on unchanged, as any object that is not a tensor or a container.
-    Copied to each device that holds layers once, not once per layer. `original_mask` is the original's mask of this
-    forward, or None where the original has none (attention_masks), which the model passes as `attention_mask`."""
-
-    def __init__(self, inputs: AttentionInputs, original_mask: Optional[torch.Tensor], eager_mask, sizes: tuple):
-        self._source = inputs
-        self._copies = {}
-        self.original_mask = original_mask
-        self._eager_mask = eager_mask  # builds our boolean mask: only for the original's call of core_attention
-        self._sizes = sizes  # (batch, new tokens, keys)
-        self._blocked = {}
-
-    def on(self, device: Optional[torch.device]) -> AttentionInputs:
-        if device not in self._copies:
-            # Plain loops and the constructor: torch 2.4's dynamo traces neither a comprehension that reads `device`
-            # nor NamedTuple._replace (torch.compile fails there, fullgraph or not).
-            source, kernel_kwargs = self._source, {}
-            for name, value in source.kernel_kwargs.items():
-                kernel_kwargs[name] = device_boundary(value, device) if isinstance(value, torch.Tensor) else value
-            self._copies[device] = AttentionInputs(
-                device_boundary(source.cos, device), device_boundary(source.sin, device),
-                device_boundary(source.mask, device), device_boundary(source.cache_position, device),
-                source.implementation, kernel_kwargs, source.weights)
-        return self._copies[device]
-
-    def blocked(self, device: torch.device) -> torch.Tensor:
-        """The mask of the original's call of core_attention: [batch, 1, new, keys], True where a query must NOT
-        look, always a tensor (a function written to that call may not take None). The original's own where it
-        covers every key; else the complement of the eager kernel's (static caches, custom masks, no padding)."""
-        if device not in self._blocked:
-            batch, new, keys = self._sizes
-            mask = self.original_mask
-            if mask is None or mask.shape[-1] != keys:
-                allowed = self._eager_mask()
-                if allowed is None:  # one new token, no padding: every key
-                    mask = torch.zeros(batch, 1, new, keys, dtype=torch.bool, device=self._source.cos.device)
-                else:  # a custom additive mask hides with large negative values
-                    mask = ~allowed if allowed.dtype == torch.bool else allowed < 0
-            self._blocked[device] = device_boundary(mask, device)
-        return self._blocked[device]
-
-    def attentions(self, num_layers: int) -> Optional[tuple]:
-        """The attention weights of every layer, with output_attentions (None where a replaced core_attention
-        gave none)."""
-        weights = self._source.weights
-        return None if weights is None else tuple(weights.get(index) for index in range(num_layers))
+def original_mask(mask, cache_position: torch.Tensor, key_length: Optional[int], batch_size: int):
+    """The original's mask from the kernel's; with `key_length` never None (a core_attention may not take None)."""
+    if mask is not None and mask.dim() == 4:
+        return ~mask if mask.dtype == torch.bool else mask < 0  # a custom additive mask hides with negative values
+    if mask is None and key_length is None:
+        return None
+    keys = mask.shape[-1] if mask is not None else key_length
+    allowed = (torch.arange(keys, device=cache_position.device) <= cache_position[:, None])[None, None]
+    if mask is not None:  # flash's padding mask; a padded query sees every key, as in the original's prompt
+        padding = device_boundary(mask, allowed.device) != 0
+        allowed = (allowed & padding[:, None, None, :]) | ~padding[:, None, -cache_position.shape[0]:, None]
+    return ~allowed.expand(batch_size, 1, -1, -1)
 
 
-def checked_layer_inputs(rotary_pos_emb) -> LayerInputs:
-    if not isinstance(rotary_pos_emb, LayerInputs):
-        raise TypeError(
-            "The layers of this model take, as `rotary_pos_emb`, the object ChatGLMModel's forward hands to the "
-            "encoder (LayerInputs: rotary tables, mask and kernel of one forward), not a "
-            f"{type(rotary_pos_emb).__name__}: call the model, or pass on the `rotary_pos_emb` a layer of it was "
-            "called with."
-        )
-    return rotary_pos_emb
+def kernel_mask(original, new: int, keys: int, device, implementation: str):
+    if original is not None:
+        return ~original if original.dtype == torch.bool else original
+    if new == 1 or (new == keys and implementation == "sdpa"):
+        return None
+    return torch.ones(new, keys, dtype=torch.bool, device=device).tril_(keys - new)
 
 
-def computes_unobserved(module: nn.Module, forward) -> bool:
-    """Whether `module` runs this file's `forward` with nothing watching it: no forward hook and no replaced
-    `forward` (on the instance or its class). accelerate's device hooks wrap our forward without changing what it
-    computes, and count as ours. Tools that hook or replace a module are written to the original's call, so a
-    module they observe gets the original's values; otherwise this file's cheaper ones."""
-    if module._forward_hooks or module._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks:
-        return False
-    bound = module.__dict__["_old_forward"] if "_hf_hook" in module.__dict__ else module.forward
-    return getattr(bound, "__func__", None) is forward
+def check_batch_first(hidden_states, attention_mask, rotary_pos_emb):
+    """ChatGLM2/3's originals were sequence-first: their tensors would be read wrongly without a word."""
+    batch, seq = hidden_states.shape[:2]
+    fits = rotary_pos_emb.dim() == 4 and rotary_pos_emb.shape[1] == seq and rotary_pos_emb.shape[0] in (1, batch)
+    if attention_mask is not None:
+        fits = fits and attention_mask.shape[0] in (1, batch) and attention_mask.shape[-2] == seq
+    if not fits:
+        got = [None if t is None else list(t.shape) for t in (hidden_states, rotary_pos_emb, attention_mask)]
+        raise ValueError(
+            "This layer takes the original's tensors in GLM-4's batch-first layout: hidden_states [batch, seq, "
+            "hidden], rotary_pos_emb [batch or 1, seq, rotary_dim / 2, 2] (rotary_pos_emb(seq_length)[position_ids]), "
+            f"attention_mask None or [batch, 1, seq, keys], True where a query must not look; got {got} (in that "
+            "order). ChatGLM2/3's originals were sequence-first ([seq, batch, ...]): transpose, or call the model.")
 
 
 class CoreAttention(nn.Module):
-    """The attention kernel's call of one layer, a submodule as in the original (`self_attention.core_attention`).
-    It holds no weights. forward(query_layer, key_layer, value_layer, attention_mask) -> [batch, seq, heads * dim] is
-    the original's contract (GLM-4's layout, batch first): query [batch, heads, seq, dim], key and value [batch,
-    heads, keys, dim] repeated to every query head, attention_mask True where a query must NOT look. SelfAttention
-    calls it so whenever a hook or a replaced forward observes it (optimum-intel's OpenVINO export replaces it), and
-    otherwise with its cheaper values: key and value per group, and the forward's AttentionInputs in the mask's place
-    (the kernel's own mask, None where causality alone masks). Kernels get it as their `module`: it has what they
-    read (`config`, `layer_idx`, `is_causal`, `num_key_value_groups`, `scaling`, `training`) and the original's names.
-    Its class is named after the attention implementation the model was built with, as GLM-4's original names it
-    (SdpaAttention, FlashAttention2 are subclasses; eager is CoreAttention)."""
+    """The kernel's call (OpenVINO's export replaces it); kernels get it as `module`. Named as in GLM-4's original."""
 
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
@@ -1151,9 +961,8 @@ class CoreAttention(nn.Module):
         self.sizes = AttentionSizes.from_config(config)  # SelfAttention keeps them per rank (tensor parallelism)
         self.is_causal = True
         self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
-        # The layer scaling forces the fp32 softmax (eager_attention_forward), as in the original.
         self.attention_softmax_in_fp32 = config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
-        self.coeff = self.layer_number if self.apply_query_key_layer_scaling else None
+        self.coeff = self.layer_number if self.apply_query_key_layer_scaling else None  # the original's; unread
         self.norm_factor = self.sizes.head_dim ** 0.5 * (self.coeff or 1)
         self.scaling = self.sizes.head_dim ** -0.5
         self.attention_dropout = nn.Dropout(config.attention_dropout)
@@ -1164,40 +973,31 @@ class CoreAttention(nn.Module):
     hidden_size_per_partition = property(lambda self: self.sizes.num_heads * self.sizes.head_dim)
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask):
+        if isinstance(attention_mask, tuple):  # this file's call (KernelInputs)
+            mask, implementation, kernel_kwargs, attentions = attention_mask
+            kernel = attention_function(implementation)
+        else:  # the original's: our kernels (they take repeated heads as groups of one); flash takes no 4-D mask
+            eager = self.config._attn_implementation in (None, "eager")
+            kernel = eager_attention_forward if eager else sdpa_grouped_attention_forward
+            mask = kernel_mask(attention_mask, query_layer.shape[-2], key_layer.shape[-2], query_layer.device,
+                               "eager" if eager else "sdpa")
+            kernel_kwargs, attentions = (), None
         dropout = self.attention_dropout.p if self.training else 0.0
-        if isinstance(attention_mask, AttentionInputs):  # this file's call
-            inputs = attention_mask
-            out, weights = attention_function(inputs.implementation)(
-                self, query_layer, key_layer, value_layer, inputs.mask,
-                **{**inputs.kernel_kwargs, "dropout": dropout, "scaling": self.scaling})
-            if inputs.weights is not None:
-                inputs.weights[self.layer_idx] = weights
-        else:  # the original's call (the repeated heads count as groups of one)
-            kernel = eager_attention_forward if self.config._attn_implementation in (None, "eager") else \
-                sdpa_grouped_attention_forward
-            out, _ = kernel(self, query_layer, key_layer, value_layer,
-                            allowed_by_original_mask(attention_mask, query_layer, key_layer),
-                            dropout=dropout, scaling=self.scaling)
+        out, weights = kernel(self, query_layer, key_layer, value_layer, mask,
+                              **{**dict(kernel_kwargs), "dropout": dropout, "scaling": self.scaling})
+        if attentions is not None:
+            attentions[self.layer_idx] = weights
         return out.flatten(2)
 
-
-def allowed_by_original_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> Optional[torch.Tensor]:
-    """The original's mask (True where a query must NOT look; None: causal, the new tokens last) as our kernels
-    take it."""
-    if attention_mask is not None:
-        return ~attention_mask if attention_mask.dtype == torch.bool else attention_mask
-    new, keys = query.shape[-2], key.shape[-2]
-    if new == 1:
-        return None
-    return torch.ones(new, keys, dtype=torch.bool, device=query.device).tril_(keys - new)
+    _own_forward = forward  # the forward this class computes with (forward_replaced)
 
 
 class SdpaAttention(CoreAttention):
-    """core_attention of a model built with attn_implementation="sdpa" (GLM-4's original class name)."""
+    """core_attention under attn_implementation="sdpa"."""
 
 
 class FlashAttention2(CoreAttention):
-    """core_attention of a model built with a flash attention implementation (GLM-4's original class name)."""
+    """core_attention under a flash attention implementation."""
 
 
 def core_attention_class(config) -> type:
@@ -1208,12 +1008,8 @@ def core_attention_class(config) -> type:
 
 
 class SelfAttention(nn.Module):
-    """The attention of one layer: forward(hidden_states, attention_mask, rotary_pos_emb, kv_cache=None,
-    use_cache=True) -> (output, kv_cache), the original's contract. What travels in those arguments is this file's
-    where the original's would cost: `rotary_pos_emb` is the forward's LayerInputs (rotary tables, the kernel's mask,
-    the kernel), `kv_cache` the model's Cache object, which the layer writes its keys and values into (the same
-    object comes back; None with use_cache=False). `attention_mask` is the original's mask, for the tools that read
-    it: the kernel's own comes with rotary_pos_emb."""
+    """kv_cache: a Cache, written into and returned; or the original's None (returns a tensor [1, 2, batch,
+    kv_heads, seq, dim]) or (keys, values) of the earlier tokens (returns the longer pair)."""
 
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
@@ -1225,14 +1021,12 @@ class SelfAttention(nn.Module):
         self.is_causal = True
         linear = linear_layer(config)
         self.query_key_value = linear(
-            config.hidden_size, self.sizes.qkv_features, bias=config.add_bias_linear or config.add_qkv_bias
-        )
+            config.hidden_size, self.sizes.qkv_features, bias=config.add_bias_linear or config.add_qkv_bias)
         self.dense = linear(self.sizes.num_heads * self.sizes.head_dim, config.hidden_size, bias=config.add_bias_linear)
 
     @property
     def sizes(self) -> AttentionSizes:
-        """This layer's head counts (a rank's under tensor parallelism), handed on to our core_attention, whose
-        kernels read them (a core_attention replaced by another module keeps its own)."""
+        """A rank's head counts under tensor parallelism, handed on to our core_attention (its kernels read them)."""
         return self._sizes
 
     @sizes.setter
@@ -1243,32 +1037,19 @@ class SelfAttention(nn.Module):
 
     num_key_value_groups = property(lambda self: self.sizes.groups)
     scaling = property(lambda self: self.sizes.head_dim ** -0.5)
-    # The original's size attributes (per rank under tensor parallelism, as its "per partition" names say).
-    num_attention_heads_per_partition = property(lambda self: self.sizes.num_heads)
+    num_attention_heads_per_partition = property(lambda self: self.sizes.num_heads)  # the original's, per rank
     hidden_size_per_attention_head = property(lambda self: self.sizes.head_dim)
     num_multi_query_groups_per_partition = property(lambda self: self.sizes.num_kv_heads)
     projection_size = property(lambda self: self.sizes.num_heads * self.sizes.head_dim)
     qkv_hidden_size = property(lambda self: self.sizes.qkv_features)
     multi_query_attention = property(lambda self: self.sizes.multi_query)
 
-    def split_heads(self, mixed: torch.Tensor):
-        """Fused projection [batch, seq, qkv] -> q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim]."""
-        s = self.sizes
-        if s.multi_query:
-            q, k, v = mixed.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                                   s.num_kv_heads * s.head_dim], dim=-1)
-            q, k, v = (t.unflatten(-1, (-1, s.head_dim)) for t in (q, k, v))
-        else:
-            q, k, v = mixed.unflatten(-1, (s.num_heads, 3 * s.head_dim)).split(s.head_dim, dim=-1)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
     def rotated_heads(self, mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """split_heads with the query and key turned on the rotary tables. In the grouped layout [q | k | v] the
-        queries and keys are one slice, turned at once: four operators a layer, not eight. The key and value get
-        their own memory: as views they would keep the queries, or the whole projection, alive in a cache."""
+        """Query and key turned (one slice where grouped); key and value copied: views would keep the projection."""
         s = self.sizes
-        if not s.multi_query:
-            query, key, value = self.split_heads(mixed)
+        if not s.multi_query:  # [q | k | v] per head
+            query, key, value = mixed.unflatten(-1, (s.num_heads, 3 * s.head_dim)).transpose(1, 2).split(
+                s.head_dim, dim=-1)
             return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value.contiguous()
         heads, value = mixed.split([(s.num_heads + s.num_kv_heads) * s.head_dim, s.num_kv_heads * s.head_dim], dim=-1)
         # [batch, seq, heads, dim]: the tables' head axis moves beside the heads
@@ -1277,19 +1058,44 @@ class SelfAttention(nn.Module):
         return query, key.contiguous(), value.unflatten(-1, (-1, s.head_dim)).transpose(1, 2).contiguous()
 
     def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True):
-        layer_inputs = checked_layer_inputs(rotary_pos_emb)
-        inputs = layer_inputs.on(hidden_states.device)
-        query, key, value = self.rotated_heads(self.query_key_value(hidden_states), inputs.cos, inputs.sin)
-        if kv_cache is not None:
-            # The cache keeps this layer's keys on this layer's device. cache_position: static caches before 5.0.
-            key, value = kv_cache.update(key, value, self.layer_idx, {"cache_position": inputs.cache_position})
-        if computes_unobserved(self.core_attention, CoreAttention.forward):
-            context = self.core_attention(query, key, value, inputs)
-        else:  # observed or replaced: the original's values (heads repeated, its mask)
+        if not isinstance(rotary_pos_emb, tuple):  # the original's call
+            attention_mask, rotary_pos_emb = self.from_original(hidden_states, attention_mask, rotary_pos_emb, kv_cache)
+        cos, sin, cache_position, implementation, kernel_kwargs, attentions = rotary_pos_emb
+        query, key, value = self.rotated_heads(self.query_key_value(hidden_states), cos, sin)
+        key, value, kv_cache = self.cached(key, value, kv_cache, use_cache, cache_position)
+        if forward_replaced(self.core_attention):  # a tool's function of the original's contract
             groups = query.shape[1] // key.shape[1]
-            context = self.core_attention(query, repeat_kv(key, groups), repeat_kv(value, groups),
-                                          layer_inputs.blocked(query.device))
-        return self.dense(context), (kv_cache if use_cache else None)
+            context = self.core_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), original_mask(
+                attention_mask, cache_position, key.shape[-2], query.shape[0]))
+        else:
+            context = self.core_attention(query, key, value,
+                                          KernelInputs(attention_mask, implementation, kernel_kwargs, attentions))
+        return self.dense(context), kv_cache
+
+    _own_forward = forward  # the forward this class computes with (forward_replaced)
+
+    def cached(self, key, value, kv_cache, use_cache: bool, cache_position):
+        if isinstance(kv_cache, Cache):  # (cache_position: static caches before 5.0)
+            key, value = kv_cache.update(key, value, self.layer_idx, {"cache_position": cache_position})
+            return key, value, (kv_cache if use_cache else None)
+        if kv_cache is not None:
+            key, value = torch.cat((kv_cache[0], key), dim=2), torch.cat((kv_cache[1], value), dim=2)
+            return key, value, ((key, value) if use_cache else None)
+        return key, value, (torch.stack((key, value))[None] if use_cache else None)
+
+    def from_original(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache):
+        new = hidden_states.shape[1]
+        if rotary_pos_emb is None:  # the original rotates nothing then: cos 1, sin 0
+            rotary_pos_emb = F.pad(hidden_states.new_ones(1, new, self.sizes.head_dim // 4, 1), (0, 1))
+        check_batch_first(hidden_states, attention_mask, rotary_pos_emb)
+        past = 0 if kv_cache is None else kv_cache[0].shape[-2] if isinstance(kv_cache, tuple) else \
+            kv_cache.get_seq_length(self.layer_idx)
+        rows = rotary_pos_emb.float()
+        cos, sin = head_tables(rows[..., 0], rows[..., 1], self.sizes.head_dim, hidden_states.dtype)
+        implementation = "eager" if self.config._attn_implementation in (None, "eager") else "sdpa"  # 4-D masks
+        mask = kernel_mask(attention_mask, new, past + new, hidden_states.device, implementation)
+        return mask, LayerInputs(cos, sin, torch.arange(past, past + new, device=hidden_states.device),
+                                 implementation, (), None)
 
 
 # ======================================================================================================================
@@ -1309,7 +1115,7 @@ class MLP(nn.Module):
 
     @staticmethod
     def activation_func(x):
-        """SwiGLU of x = [gate | up], under the original's name (a patch of it reaches forward, as there)."""
+        """The original's name: a patch of it reaches forward, as there."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -1324,9 +1130,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states):
-        # The original's arithmetic: normalised in fp32, times the weight in fp32, rounded once to the input's dtype.
-        # torch's rms_norm does it in one call where both are fp32, and in a half type where it rounds once
-        # (rms_norm_rounds_once); otherwise the fp32 product stays apart.
+        # The original's arithmetic: normalised and weighted in fp32, rounded once; one call where torch's is the same.
         dtype = hidden_states.dtype
         if self.weight.dtype == dtype and (dtype == torch.float32 or rms_norm_rounds_once(hidden_states.device, dtype)):
             return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.eps)
@@ -1355,11 +1159,7 @@ def make_norm(config: ChatGLMConfig) -> nn.Module:
 
 
 class GLMBlock(GradientCheckpointingLayer):
-    """One layer: forward(hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True) ->
-    (hidden_states, kv_cache), the original's contract, its arguments handed to SelfAttention as they come. Under
-    gradient checkpointing it recomputes itself in the backward pass (GradientCheckpointingLayer): hidden_states
-    stay the first positional argument; the cache comes as `kv_cache`, a name no release's checkpointing drops (a
-    checkpointed layer still reads a P-tuning v2 prefix through it, PrefixOnlyCache)."""
+    """Under gradient checkpointing the cache comes as `kv_cache`, a name no release's checkpointing drops."""
 
     def __init__(self, config: ChatGLMConfig, layer_number: int):
         super().__init__()
@@ -1373,15 +1173,16 @@ class GLMBlock(GradientCheckpointingLayer):
         self.mlp = MLP(config)
 
     def norm(self, norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        """With fp32_residual_connection the residual stream stays fp32 and each norm feeds its sublayer in the
-        sublayer's dtype."""
+        """With fp32_residual_connection, the fp32 stream normed into the sublayer's dtype."""
         out = norm(hidden_states)
         return out.to(norm.weight.dtype) if self.fp32_residual_connection else out
 
     def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True):
         normed = self.norm(self.input_layernorm, hidden_states)
         residual = normed if self.apply_residual_connection_post_layernorm else hidden_states
-        # The attention output is rebound to the sum at once, not kept alive through the MLP (peak memory).
+        if forward_replaced(self.self_attention):
+            attention_mask, rotary_pos_emb = as_original_call(normed, attention_mask, rotary_pos_emb)
+        # (rebound to the sum at once: not kept alive through the MLP)
         hidden_states, kv_cache = self.self_attention(normed, attention_mask, rotary_pos_emb, kv_cache=kv_cache,
                                                       use_cache=use_cache)
         hidden_states = residual + self.dropout(hidden_states)
@@ -1392,28 +1193,24 @@ class GLMBlock(GradientCheckpointingLayer):
         return hidden_states, kv_cache
 
     def dropout(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.hidden_dropout == 0:  # no operator at all in inference (one less per sublayer)
+        if not self.training or self.hidden_dropout == 0:  # no operator in inference
             return hidden_states
         return F.dropout(hidden_states, p=self.hidden_dropout, training=True)
 
 
+# transformers 5.x wraps a GradientCheckpointingLayer's forward as the class is made: the wrapper is the class's own.
+GLMBlock._own_forward = GLMBlock.forward
+
+
 class GLMTransformer(nn.Module):
-    """The stack of blocks (the original's `encoder`), with the final norm. forward(hidden_states, attention_mask,
-    rotary_pos_emb, kv_caches=None, use_cache=True, output_hidden_states=False) -> (hidden_states, presents,
-    all_hidden_states, all_self_attentions) and `_get_layer(i)` are the original's contract, and so is each layer's
-    call (three positional arguments, `kv_cache=` and `use_cache=` by keyword): a forward written to the original
-    (GPTQModel replaces it so) runs this model unchanged. `kv_caches` is the model's Cache object once per layer,
-    `presents` what the layers give back (that object again); the hidden states of output_hidden_states end with
-    the final norm's output, as in transformers' models; all_self_attentions come from the forward's LayerInputs."""
+    """The original's `encoder` and calls (GPTQModel replaces its forward); hidden states end with the final norm's."""
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
         self.num_layers = config.num_layers
         self.post_layer_norm = config.post_layer_norm
         self.fp32_residual_connection = config.fp32_residual_connection
-        # The original's flag; each layer checkpoints itself (GradientCheckpointingLayer). transformers 4.x sets it
-        # with the layers' when checkpointing is turned on or off.
-        self.gradient_checkpointing = False
+        self.gradient_checkpointing = False  # the original's flag; each layer checkpoints itself
         self.layers = nn.ModuleList([GLMBlock(config, number + 1) for number in range(config.num_layers)])
         self.final_layernorm = make_norm(config) if config.post_layer_norm else None
 
@@ -1424,25 +1221,41 @@ class GLMTransformer(nn.Module):
                 output_hidden_states=False):
         presents = () if use_cache else None
         all_hidden_states = () if output_hidden_states else None
-        masks = {}  # the mask on each device that holds layers, copied once
+        placed = None  # the device the mask and rotary inputs are on: copied once per device that holds layers
         for index in range(self.num_layers):
             layer = self._get_layer(index)
             device = execution_device(layer)
             hidden_states = device_boundary(hidden_states, device)
-            if device not in masks:
-                masks[device] = device_boundary(attention_mask, device)
+            if index == 0 or device != placed:
+                attention_mask, rotary_pos_emb = placed_inputs(attention_mask, device), placed_inputs(rotary_pos_emb,
+                                                                                                       device)
+                placed = device
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, kv_cache = layer(hidden_states, masks[device], rotary_pos_emb,
-                                            kv_cache=kv_caches[index] if kv_caches else None, use_cache=use_cache)
+            mask, rotary = attention_mask, rotary_pos_emb
+            if forward_replaced(layer):
+                mask, rotary = as_original_call(hidden_states, mask, rotary)
+            kv_cache = kv_caches[index] if kv_caches else None
+            hidden_states, kv_cache = layer(hidden_states, mask, rotary, kv_cache=kv_cache, use_cache=use_cache)
             if use_cache:
-                presents += (kv_cache,)
+                presents = gathered_presents(presents, kv_cache)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(device_boundary(hidden_states, execution_device(self.final_layernorm)))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        attentions = rotary_pos_emb.attentions(self.num_layers) if isinstance(rotary_pos_emb, LayerInputs) else None
-        return hidden_states, presents, all_hidden_states, attentions
+        weights = rotary_pos_emb[5] if isinstance(rotary_pos_emb, tuple) else None
+        return hidden_states, presents, all_hidden_states, None if weights is None else tuple(weights)
+
+    _own_forward = forward  # the forward this class computes with (forward_replaced)
+
+
+def gathered_presents(presents, kv_cache):
+    """As the original gathers them: tensors concatenated, anything else one item a layer."""
+    if not isinstance(kv_cache, torch.Tensor):
+        return presents + (kv_cache,)
+    if isinstance(presents, tuple):  # the first layer's
+        return kv_cache
+    return torch.cat((presents, device_boundary(kv_cache, presents.device)))
 
 
 # ======================================================================================================================
@@ -1457,25 +1270,19 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["GLMBlock", "TransformerLayer"]  # TransformerLayer: GLM-4V's vision blocks
     _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache's layers stay where they are (5.24 name)
-    # transformers 4.30's names, which its quantizers set on a quantized model: False until one does.
-    is_loaded_in_4bit = is_loaded_in_8bit = is_quantized = False
+    is_loaded_in_4bit = is_loaded_in_8bit = is_quantized = False  # transformers' quantizers set them
     _supports_sdpa = True
     _supports_flash_attn_2 = True  # 4.x name
     _supports_flash_attn = True  # 5.x name
     _supports_cache_class = True  # 4.x: generate() hands us Cache objects
     _supports_static_cache = True
-    # Attention kernels registered with transformers (AttentionInterface) run in every layer with the forward's extra
-    # keyword arguments, and custom 4D masks are honoured (tests/test_attention.py).
-    _supports_attention_backend = True
+    _supports_attention_backend = True  # registered kernels get the forward's extra arguments; 4D masks honoured
     _can_compile_fullgraph = True  # static-cache decode compiles as one graph (tests/test_compile.py)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """transformers' from_pretrained, with the load checks of checks_chatglm.py (docs/load-checks.md): an
-        explicit device_map and the weight files' storage before any weight is read, the loaded weights after
-        (`check_finite_weights=False` skips the NaN/inf check). With tp_plan="auto" (under torchrun), tp_size,
-        device_mesh or distributed_config, the model is sharded by its own tensor-parallel plan instead, on every
-        supported transformers release (parallel_chatglm.py)."""
+        """transformers' from_pretrained with the load checks (docs/load-checks.md; `check_finite_weights=False`
+        skips NaN/inf). With tp_plan="auto", tp_size, device_mesh or distributed_config: our tensor-parallel plan."""
         source = pretrained_model_name_or_path
         check_finite = kwargs.pop("check_finite_weights", True)
         checks = load_checks(checkpoint=None if source is None else str(source),
@@ -1519,9 +1326,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
             if isinstance(module, RotaryEmbedding):
                 module.own_loaded_buffer()
         if _TIED_KEYS_ARE_A_MAPPING and getattr(model.config, "tie_word_embeddings", False):
-            # 5.x leaves a checkpoint's two stored matrices untied (with a warning) even when the config asks for
-            # tying; 4.x ties them, the input embedding winning. from_pretrained(..., tie_word_embeddings=True) ties.
-            model.tie_weights()
+            model.tie_weights()  # 5.x leaves two stored matrices untied, with a warning; 4.x ties them, as here
         if weight_storage(model.config) != "float":
             model.use_quantized_kernel("auto")
         return (model, info) if with_info else model
@@ -1529,8 +1334,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     if _HAS_ACTIVATION_CHECKPOINTING:
 
         def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs):
-            """transformers' activation checkpointing (the Trainer calls it with every_n_layers and offload;
-            gradient_checkpointing_enable() is transformers' alias of it here)."""
+            """transformers' activation checkpointing (gradient_checkpointing_enable() is its alias)."""
             super().activation_checkpointing_enable(
                 prefix_checkpointing_kwargs(self, activation_checkpointing_kwargs), *args, **kwargs)
 
@@ -1542,38 +1346,31 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
                 prefix_checkpointing_kwargs(self, gradient_checkpointing_kwargs), *args, **kwargs)
 
     def load_prefix_encoder(self, path) -> str:
-        """Load a P-tuning v2 prefix saved apart from the base model (a file or a folder: the ChatGLM2/3 ptuning
-        trainer's checkpoint, save_prefix_encoder's output, a whole checkpoint, or a PEFT prefix-tuning adapter).
-        Returns the file read; a prefix trained for another config fails naming the file and the shapes."""
+        """Load a P-tuning v2 prefix: a ptuning trainer's, save_prefix_encoder's or PEFT's. Returns the file read."""
         encoder = require_prefix(self)
         return ptuning(self.config).load_prefix_file(encoder, path)
 
     def save_prefix_encoder(self, save_directory) -> str:
-        """Write the P-tuning v2 prefix alone, the classic layout: `model.safetensors` holding
-        `transformer.prefix_encoder.*` (full names), as the ChatGLM2/3 ptuning trainer saved it."""
+        """Write the P-tuning v2 prefix alone, as the ChatGLM2/3 ptuning trainer did. Returns the file written."""
         encoder = require_prefix(self)
         return ptuning(self.config).save_prefix_file(encoder, save_directory)
 
     @classmethod
     def _config_for(cls, pretrained_model_name_or_path, kwargs) -> ChatGLMConfig:
-        """The config from_pretrained will use: the one passed, else the checkpoint's, read with this class's config
-        class (ours, or the original one beside a copied modeling_chatglm.py)."""
+        """The config passed, else the checkpoint's, read with this class's config class."""
         config = kwargs.get("config")
         if isinstance(config, transformers.PretrainedConfig):  # 5.x: AutoConfig's class is another module's copy
             return config
         config = cls.config_class.from_pretrained(
             pretrained_model_name_or_path, **{k: kwargs[k] for k in ("revision", *HUB_KWARGS) if k in kwargs})
-        # Where the code files come from, as from_pretrained records it (config.json may name another repository):
-        # GLM-4V's model, built for the device-map check, imports visual.py from there.
-        config._name_or_path = str(pretrained_model_name_or_path)
+        config._name_or_path = str(pretrained_model_name_or_path)  # where GLM-4V's check model finds visual.py
         return config
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' save_pretrained, which writes the code files it saw imported; the companion files are
-        written beside them, so that the saved folder keeps every capability."""
+        """transformers' save_pretrained, and the companion files beside the code files."""
         variant = checkpoint_variant(self.config)
         if variant is not None and CHECKPOINT_VARIANTS[variant]["rotary"] != "base":
-            self.config.chatglm_variant = variant  # the names that told the reading are not saved; the variant is
+            self.config.chatglm_variant = variant  # the names that told the reading are not saved
         super().save_pretrained(save_directory, *args, **kwargs)
         if self._auto_class is None or not kwargs.get("is_main_process", True):
             return
@@ -1583,30 +1380,32 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
                 shutil.copyfile(found, target)
 
     def use_quantized_kernel(self, kernel: str = "packed") -> int:
-        """A pre-quantized (int4 or int8) model's matrix kernel: "packed" (torch's weight-only kernel on bf16
-        activations, for decode), "exact" (the original's arithmetic), "auto" (what from_pretrained chose); see
-        quantization_chatglm.use_model_kernel. Returns how many layers run packed."""
+        """A pre-quantized model's kernel: "packed" (bf16, for decode), "exact" (the original's) or "auto"."""
         return import_companion("quantization_chatglm", self.config).use_model_kernel(self, kernel)
 
     def use_cpu_packed_weights(self, enable: bool = True) -> int:
-        """Opt-in for decode on a CPU: bf16/fp16 weights also held in oneDNN's blocked layout, fp32 rows' products
-        shared over the threads (quantization_chatglm.use_cpu_packed_weights says when each is used, and what it
-        costs); False drops the copies. Returns how many layers take these paths."""
+        """Opt-in CPU decode paths (quantization_chatglm.py says when they pay); False drops them. Returns the count."""
         return import_companion("quantization_chatglm", self.config).use_cpu_packed_weights(self, enable)
 
     def tensor_parallel(self, mesh_or_size=None):
-        """Shard this model in place over a 1-D DeviceMesh, or over `mesh_or_size` ranks of torch.distributed (all of
-        them by default); every rank calls it. See parallel_chatglm.py."""
+        """Shard in place over a 1-D DeviceMesh or `mesh_or_size` ranks (default: all); every rank calls it."""
         return import_companion("parallel_chatglm", self.config).tensor_parallel(self, mesh_or_size)
 
     # The original's mask and position helpers, for code that calls them: this model's forward builds its own.
     def get_masks(self, input_ids, past_key_values, padding_mask=None):
-        """The original's attention mask [batch, 1, seq, past + seq], True where a query must not look: causal,
-        every cached slot visible, and a 2-D `padding_mask` (1 = token) applied to the keys (and, for a prompt,
-        its padded queries see everything, as in the original)."""
+        """The original's mask [batch, 1, seq, past + seq], True where a query must not look."""
         batch_size, seq_length = input_ids.shape[:2]  # GLM-4V's original passes the embeddings here
-        return original_attention_mask(padding_mask, batch_size, seq_length, cached_length_of(past_key_values),
-                                       input_ids.device)
+        past_length, device = cached_length_of(past_key_values), input_ids.device
+        allowed = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).tril_()
+        if past_length:
+            allowed = torch.cat((allowed.new_ones(seq_length, past_length), allowed), dim=-1)
+        allowed = allowed.expand(batch_size, -1, -1)
+        if padding_mask is not None:
+            padding = device_boundary(padding_mask, device) != 0
+            allowed = allowed & padding[:, None, :]
+            if not past_length:
+                allowed = allowed | ~padding[:, :, None]
+        return ~allowed[:, None]
 
     def get_position_ids(self, input_ids, device):
         """Positions 0 .. seq - 1 for every row (the original's; this model's forward counts left padding out)."""
@@ -1654,16 +1453,13 @@ class Embedding(nn.Module):
 
 
 class ChatGLMModel(ChatGLMPreTrainedModel):
-    # The output layer lives in the base model (the original's layout); tied to the embedding only when
-    # config.tie_word_embeddings (false in every released checkpoint).
+    # The output layer is the base model's (the original's layout); tied only with config.tie_word_embeddings.
     _tied_weights_keys = tied_weights_keys("output_layer.weight", "embedding.word_embeddings.weight")
 
-    def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
-        # empty_init and device are the original constructor's arguments, accepted so that calling code keeps
-        # working: from_pretrained already skips initialising loaded weights, and `device` places the model.
+    def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):  # (empty_init: the original's, unused)
         super().__init__(config)
         check_supported(config)
-        # The original's size attributes (P-tuning and export scripts read them here).
+        # The original's size attributes (P-tuning and export scripts read them).
         self.num_layers, self.kv_channels, self.seq_length = config.num_layers, config.kv_channels, config.seq_length
         self.multi_query_group_num = config.multi_query_group_num
         self.pre_seq_len = getattr(config, "pre_seq_len", None)
@@ -1673,16 +1469,14 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         self.prefix_encoder = prefix_encoder(config)  # P-tuning v2 (ptuning_chatglm.py), None without pre_seq_len
-        # GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower of visual.py, whose image rows enter through `splice`.
-        self.vision = vision_tower(config) if getattr(config, "vision_config", None) else None
+        self.vision = vision_tower(config) if getattr(config, "vision_config", None) else None  # GLM-4V (visual.py)
         if self.prefix_encoder is not None:
             ptuning(config).train_prefix_only(self)
         self.post_init()
         if device is not None:
             self.to(device)
 
-    # transformers 4.46 to 4.52 look for it here (see the compatibility layer).
-    _prepare_4d_causal_attention_mask_with_cache_position = staticmethod(static_cache_mask_before_4_53)
+    _prepare_4d_causal_attention_mask_with_cache_position = staticmethod(static_cache_mask_before_4_53)  # 4.46-4.52
 
     def get_input_embeddings(self):
         return self.embedding.word_embeddings
@@ -1691,48 +1485,36 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.embedding.word_embeddings = value
 
     def get_prompt(self, batch_size, device, dtype=torch.float16):
-        """The P-tuning v2 prefix as past_key_values: per layer [2, batch, kv_heads, pre_seq_len, head_dim] (key,
-        value), the layout of GLM-4's original and of transformers' legacy caches (ChatGLM2/3's original put the
-        prefix length first). This model's forward adds the prefix itself: pass none."""
+        """The P-tuning v2 prefix as legacy past_key_values (GLM-4's layout); the forward adds it itself."""
         encoder = require_prefix(self)
         key_values = encoder.key_values(batch_size, dtype, execution_device(encoder))
         return tuple(device_boundary(torch.stack(pair), torch.device(device)) for pair in key_values)
 
     def quantize(self, weight_bit_width: int, storage: str = "library"):
-        """The original's base-model call: quantizes the blocks' linear layers (see ChatMixin.quantize)."""
+        """The original's base-model call (see ChatMixin.quantize)."""
         import_companion("quantization_chatglm", self.config).quantize(self, weight_bit_width, storage)
         return self
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        past_key_values=None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        images: Optional[torch.Tensor] = None,
-        cache: Optional[Cache] = None,
-        **kwargs,
-    ):
-        """`images` (GLM-4V): pixels [batch, 3, S, S], one image per sequence, spliced in where its ids hold
-        <|begin_of_image|>; `attention_mask` and `position_ids` then stay in tokens, as the tokenizer makes them.
-        `cache` is transformers 5.24's name for `past_key_values` (pass one of the two).
-        Keyword arguments the model does not read go to the attention kernel (attention backends pass theirs so)."""
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, position_ids: Optional[torch.LongTensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, past_key_values=None,
+                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
+                return_dict: Optional[bool] = None, images: Optional[torch.Tensor] = None,
+                cache: Optional[Cache] = None, **kwargs):
+        """`images` (GLM-4V): pixels [batch, 3, S, S], one a sequence, spliced in at <|begin_of_image|>. `cache`:
+        5.24's name for `past_key_values`. Other keyword arguments go to the attention kernel."""
         past_key_values = caller_cache(past_key_values, cache)
-        config = self.config
-        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-        return_dict = return_dict if return_dict is not None else config.return_dict
+        # self.config, not a local name: llm-compressor's rewrite keeps a config in a local as a graph value
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else self.config.output_hidden_states)
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
         check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values)
         use_cache = self.cache_in_use(use_cache)
         device = execution_device(self.embedding) or (input_ids if input_ids is not None else inputs_embeds).device
         input_ids, inputs_embeds, attention_mask, position_ids = (
             device_boundary(tensor, device) for tensor in (input_ids, inputs_embeds, attention_mask, position_ids))
-        cache, legacy = cache_for_forward(past_key_values, config, use_cache)
+        cache, legacy = cache_for_forward(past_key_values, self.config, use_cache)
         past_length = cache.get_seq_length() if cache is not None else 0
 
         inputs_embeds = self.embed(input_ids, inputs_embeds, attention_mask, past_length)
@@ -1740,25 +1522,25 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         inputs_embeds, position_ids, attention_mask = enter_vision(
             self, input_ids, inputs_embeds, images, position_ids, attention_mask, cache, past_length)
         prefix = enter_prefix(self, cache, past_length, inputs_embeds.shape[0], inputs_embeds.shape[1])
-        layer_inputs = self.layer_inputs(prefix, position_ids, attention_mask, inputs_embeds,
-                                         attention_implementation(config, output_attentions), kwargs,
-                                         output_attentions)
-        # The original's call of its encoder, with this file's values where the original's would cost: the rotary
-        # tables, mask and kernel travel as `rotary_pos_emb` (LayerInputs), the Cache object as every layer's cache.
+        mask, layer_inputs = self.layer_inputs(prefix, position_ids, attention_mask, inputs_embeds,
+                                               attention_implementation(self.config, output_attentions), kwargs,
+                                               output_attentions)
+        # The original's call of its encoder, with this file's values (Module contracts).
+        rotary = layer_inputs
+        if forward_replaced(self.encoder):  # a tool's encoder forward (GPTQModel's), written to the original
+            mask, rotary = as_original_call(inputs_embeds, mask, layer_inputs)
         kv_caches = None if prefix.cache is None else (prefix.cache,) * self.encoder.num_layers
         hidden_states, _, all_hidden_states, all_attentions = self.encoder(
-            inputs_embeds, layer_inputs.original_mask, rotary_pos_emb=layer_inputs, kv_caches=kv_caches,
-            use_cache=use_cache, output_hidden_states=output_hidden_states,
-        )
-        if all_attentions is None:  # (an encoder forward written to the original returns none)
-            all_attentions = layer_inputs.attentions(self.encoder.num_layers)
-        if config.fp32_residual_connection:
+            inputs_embeds, mask, rotary_pos_emb=rotary, kv_caches=kv_caches, use_cache=use_cache,
+            output_hidden_states=output_hidden_states)
+        if self.config.fp32_residual_connection:
             hidden_states = hidden_states.to(self.compute_dtype)
         outputs = BaseModelOutputWithPast(
             last_hidden_state=hidden_states, **cache_output(cache_to_return(cache, use_cache, legacy)),
-            hidden_states=all_hidden_states, attentions=all_attentions,
-        )
-        return outputs if return_dict else outputs.to_tuple()
+            hidden_states=all_hidden_states, attentions=all_attentions)
+        if not return_dict:  # (a statement: llm-compressor's rewrite would make the expression a value of its graph)
+            return outputs.to_tuple()
+        return outputs
 
     def cache_in_use(self, use_cache: Optional[bool]) -> bool:
         use_cache = use_cache if use_cache is not None else self.config.use_cache
@@ -1767,9 +1549,8 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         return use_cache
 
     def embed(self, input_ids, inputs_embeds, attention_mask, past_length):
-        """The embeddings of input_ids (or inputs_embeds as given). Values are checked where it costs no device sync
-        per decode step: tensors on the CPU, or the prompt."""
-        values_checked = not is_compiling() and (
+        """Values are checked where it costs no device sync per decode step: on the CPU, or the prompt."""
+        values_checked = not is_tracing() and (
             (input_ids if input_ids is not None else inputs_embeds).device.type == "cpu"
             or (isinstance(past_length, int) and past_length == 0))
         if values_checked:
@@ -1781,9 +1562,9 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         return self.embedding(input_ids)
 
     def layer_inputs(self, prefix: "PrefixEntry", position_ids, attention_mask, inputs_embeds, implementation: str,
-                     kernel_kwargs: dict, output_attentions: bool = False) -> LayerInputs:
-        """Rotary cos/sin, the attention masks and the kernel's arguments for every layer. Query positions are cache
-        slots (after any P-tuning v2 prefix); position ids and a 2-D mask count tokens only."""
+                     kernel_kwargs: dict, output_attentions: bool = False
+                     ) -> Tuple[Optional[torch.Tensor], LayerInputs]:
+        """Query positions are cache slots (after a prefix); position ids and a 2-D mask count tokens only."""
         batch_size, query_length = inputs_embeds.shape[:2]
         query_positions = (torch.arange(query_length, device=inputs_embeds.device) + prefix.past_slots)[None]
         past_tokens = prefix.past_slots - prefix.slots
@@ -1793,37 +1574,34 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         cos, sin = self.rotary_tables(position_ids)
         cache_slots = max_cache_length(prefix.cache) if prefix.cache is not None else None
         key_length = cache_slots or prefix.past_slots + query_length
-        masks = partial(attention_masks, attention_mask=prefix.extend_mask(attention_mask),
-                        query_positions=query_positions, key_length=key_length, batch_size=batch_size,
-                        preallocated=cache_slots is not None, sequence_ids=sequence_ids, prefix=prefix.slots)
-        mask, original_mask = masks(implementation)
+        mask = build_attention_mask(implementation, prefix.extend_mask(attention_mask), query_positions, key_length,
+                                    batch_size=batch_size, preallocated=cache_slots is not None,
+                                    sequence_ids=sequence_ids, prefix=prefix.slots)
         kernel_kwargs = {name: value for name, value in kernel_kwargs.items() if name != "cache_position"}
         if sequence_ids is not None and mask is None and implementation.startswith("flash"):
             kernel_kwargs.update(flash_varlen_kwargs(sequence_ids, position_ids, batch_size))
-        inputs = AttentionInputs(cos, sin, mask, query_positions[0], implementation, kernel_kwargs,
-                                 {} if output_attentions else None)
-        return LayerInputs(inputs, original_mask, lambda: masks("eager")[0], (batch_size, query_length, key_length))
+        attentions = [None] * self.encoder.num_layers if output_attentions else None
+        return mask, LayerInputs(cos, sin, query_positions[0], implementation, tuple(kernel_kwargs.items()),
+                                 attentions)
 
     def rotary_tables(self, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The layers' rotary cos/sin, computed on the rotary module's device (each layer gets them on its own,
-        LayerInputs). Where a hook or a replaced forward observes rotary_pos_emb, it is called as the original calls
-        it, `rotary_pos_emb(seq_length)`, and its table's rows are what the layers turn with."""
+        """The layers' cos/sin for these positions; a replaced rotary_pos_emb is called as the original calls it."""
         rotary = self.rotary_pos_emb
         position_ids = device_boundary(position_ids, execution_device(rotary))
-        if computes_unobserved(rotary, RotaryEmbedding.forward):
-            return rotary.cos_sin(position_ids, self.compute_dtype)
-        rows = rotary(self.seq_length)[position_ids].float()
-        return rotary.head_tables(rows[..., 0], rows[..., 1], self.compute_dtype)
+        if forward_replaced(rotary):
+            rows = rotary(self.seq_length)[position_ids].float()
+            return head_tables(rows[..., 0], rows[..., 1], rotary.head_dim, self.compute_dtype)
+        cos, sin = rotary(position_ids)
+        return cos.to(self.compute_dtype), sin.to(self.compute_dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype of the hidden states: the embedding's. Not read from a Linear layer, which a quantizer
-        (torch.ao, torchao, quanto, bitsandbytes) may have replaced by one without a float `weight`."""
+        """The embedding's dtype: a quantizer may have replaced any Linear by one without a float `weight`."""
         return self.embedding.word_embeddings.weight.dtype
 
     @staticmethod
     def default_position_ids(attention_mask, query_positions, query_length):
-        """Positions count real tokens only, so a left-padded sequence gets the positions it has alone."""
+        """Positions count real tokens only: a left-padded sequence gets the positions it has alone."""
         if attention_mask is None or attention_mask.dim() != 2:
             return query_positions
         return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -query_length:]
@@ -1835,9 +1613,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
 
 
 def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
-    """Where this code came from, as transformers resolved it: the repository an `auto_map` entry names
-    ("org/repo--modeling_chatglm.X"), else the checkpoint itself (`checkpoint` when from_pretrained has not yet
-    recorded it in the config); and the commit of a Hub download."""
+    """The repository an `auto_map` entry names, else the checkpoint; and a Hub download's commit."""
     source = None
     for reference in (getattr(config, "auto_map", None) or {}).values():
         reference = reference[0] if isinstance(reference, (list, tuple)) else reference
@@ -1849,19 +1625,13 @@ def code_source(config, checkpoint=None) -> Tuple[Optional[str], Optional[str]]:
     return source, commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
-# Files of this repository used only by an optional capability, loaded on demand: tensor parallelism, GLM-4V's
-# vision tower (visual.py, for a config with vision_config), pre-quantized weights (a config with quantization_bit),
-# P-tuning v2 (a config with pre_seq_len), and the load checks (checks_chatglm.py: skipped, and said, where it is
-# missing, so that this file copied alone still loads and runs).
 COMPANION_FILES = ("parallel_chatglm", "visual", "quantization_chatglm", "ptuning_chatglm", "checks_chatglm")
-_MISSING_COMPANIONS = set()  # optional companions not found (module names): looked for once a process
+_MISSING_COMPANIONS = set()  # optional ones not found: looked for once a process
 CHECKS_MODULE = f"{__package__}.checks_chatglm"
 
 
 def find_companion(name: str, config=None, checkpoint=None, **hub_kwargs) -> Optional[Path]:
-    """`name`.py beside this module, else where this code came from (the checkpoint folder, or the Hub repository at
-    the same commit, in from_pretrained's cache_dir): transformers copies into its modules cache only the files it
-    finds imported."""
+    """Beside this module, else where it came from: transformers' modules cache holds only the files seen imported."""
     beside = Path(__file__).with_name(f"{name}.py")
     if beside.exists():
         return beside
@@ -1869,7 +1639,6 @@ def find_companion(name: str, config=None, checkpoint=None, **hub_kwargs) -> Opt
     if not source:
         return None
     from transformers.utils import cached_file
-
     try:
         found = cached_file(source, f"{name}.py", revision=revision, _raise_exceptions_for_missing_entries=False,
                             **hub_kwargs)
@@ -1878,18 +1647,12 @@ def find_companion(name: str, config=None, checkpoint=None, **hub_kwargs) -> Opt
     return Path(found) if found else None
 
 
-# from_pretrained's arguments that say where a Hub checkpoint's files are (a companion file is looked for there too).
-HUB_KWARGS = ("cache_dir", "token", "local_files_only")
+HUB_KWARGS = ("cache_dir", "token", "local_files_only")  # where from_pretrained finds a Hub checkpoint's files
 
 
 def import_companion(name: str, config=None, checkpoint=None, required: bool = True, **hub_kwargs):
-    """Import a companion file (see COMPANION_FILES) from where it is found, under this package's name: nothing is
-    written into transformers' modules cache (which may be read-only). A missing file raises an ImportError that
-    says which file to copy, or gives None where not `required`.
-
-    Not written as a relative import: transformers requires every file that a remote-code module imports relatively
-    to sit beside it, even an import inside a function, which would break this file copied alone over an original
-    checkpoint."""
+    """Imported where found, writing nothing into the (maybe read-only) modules cache. Not relative: transformers
+    would require the file beside this one even for an import in a function."""
     module_name = f"{__package__}.{name}"
     if module_name in sys.modules:
         return sys.modules[module_name]
@@ -1902,8 +1665,7 @@ def import_companion(name: str, config=None, checkpoint=None, required: bool = T
         raise ImportError(
             f"This needs {name}.py beside modeling_chatglm.py{f' (looked in {source})' if source else ''}: copy "
             "it from the maintained ChatGLM / GLM-4 repository into the checkpoint folder along with "
-            "modeling_chatglm.py, or install all its files with tools/install_into_checkpoint.py."
-        )
+            "modeling_chatglm.py, or install all its files with tools/install_into_checkpoint.py.")
     spec = importlib.util.spec_from_file_location(module_name, found)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
@@ -1916,16 +1678,15 @@ def import_companion(name: str, config=None, checkpoint=None, required: bool = T
 
 
 def load_checks(config=None, checkpoint=None, **hub_kwargs):
-    """checks_chatglm.py, the load and input checks; None where this file was copied alone without it: the model then
-    loads and runs without them, which is said once. (Every forward asks: once imported, one dictionary lookup.)"""
+    """checks_chatglm.py, or None where it is missing (said once). Every forward asks: one dictionary lookup."""
     checks = sys.modules.get(CHECKS_MODULE)
     if checks is not None or CHECKS_MODULE in _MISSING_COMPANIONS:
         return checks
     checks = import_companion("checks_chatglm", config, checkpoint, required=False, **hub_kwargs)
     if checks is None:
         logger.warning("checks_chatglm.py is not beside modeling_chatglm.py: the checks of the config's sizes, "
-                            "device maps and weight files (docs/load-checks.md) are skipped. Copy it into the "
-                            "checkpoint folder, or install all the files with tools/install_into_checkpoint.py.")
+                       "device maps and weight files (docs/load-checks.md) are skipped. Copy it into the "
+                       "checkpoint folder, or install all the files with tools/install_into_checkpoint.py.")
     return checks
 
 
@@ -1935,21 +1696,17 @@ def load_checks(config=None, checkpoint=None, **hub_kwargs):
 
 
 def ptuning(config):
-    """ptuning_chatglm.py, imported only for a model with a P-tuning v2 prefix (config.pre_seq_len)."""
     return import_companion("ptuning_chatglm", config)
 
 
 def prefix_encoder(config) -> Optional[nn.Module]:
-    """The prefix encoder for config.pre_seq_len (ptuning_chatglm.py checks the value); None without one, and the
-    P-tuning file is not imported."""
     if getattr(config, "pre_seq_len", None) in (None, 0):
         return None
     module = ptuning(config)
     callbacks = module.LanguageModelCallbacks(
         device_boundary=device_boundary, execution_device=execution_device, cache_is_empty=cache_is_empty,
         max_cache_length=max_cache_length, dynamic_cache_kwargs=dynamic_cache_kwargs, new_static_cache=new_static_cache,
-        cache_output=cache_output,
-    )
+        cache_output=cache_output)
     return module.PrefixEncoder(config, callbacks)
 
 
@@ -1959,34 +1716,25 @@ def require_prefix(model: nn.Module) -> nn.Module:
         raise ValueError(
             "This model has no P-tuning v2 prefix (config.pre_seq_len is not set). Load it with the prefix length it "
             "was trained with, e.g. AutoConfig.from_pretrained(base, trust_remote_code=True, pre_seq_len=128) and "
-            "from_pretrained(base, config=config, trust_remote_code=True)."
-        )
+            "from_pretrained(base, config=config, trust_remote_code=True).")
     return encoder
 
 
 def prefix_length(model: nn.Module) -> int:
-    """The prefix slots of a model (the base model or a head): pre_seq_len, or 0 without a prefix."""
     encoder = getattr(model.base_model, "prefix_encoder", None)
     return encoder.pre_seq_len if encoder is not None else 0
 
 
-def cached_prefix(model: "ChatGLMModel", past) -> int:
-    """How many of `past` cached slots are prefix: pre_seq_len once a forward wrote them (an empty cache has none)."""
-    return prefix_length(model) if not (isinstance(past, int) and past == 0) else 0
-
-
 @dataclass(frozen=True)
 class PrefixEntry:
-    """What the core forward gets from the prefix (enter_prefix): the cache the layers use, the `slots` a prefix
-    takes at its start (0 without one: then every method is the identity), and the slots cached before this step's
-    tokens, prefix included."""
+    """The layers' cache, the prefix's `slots` (0: the identity), the slots cached before this step."""
 
     cache: Optional[Cache]
     slots: int
     past_slots: Union[int, torch.Tensor]
 
     def extend_mask(self, attention_mask):
-        """A 2-D mask covers the tokens; every query also sees the prefix slots in front of them."""
+        """A 2-D mask covers the tokens; every query also sees the prefix."""
         if not self.slots or attention_mask is None or attention_mask.dim() != 2:
             return attention_mask
         return torch.cat([attention_mask.new_ones(attention_mask.shape[0], self.slots), attention_mask], -1)
@@ -1994,15 +1742,14 @@ class PrefixEntry:
 
 def enter_prefix(model: "ChatGLMModel", cache: Optional[Cache], past_length, batch_size: int, query_length: int
                  ) -> PrefixEntry:
-    """The seam into the core forward: a prefix's slots written first into the cache (ptuning_chatglm.enter_prefix);
-    the identity without a prefix."""
+    """The seam: the prefix's slots written first into the cache; the identity without a prefix."""
     if model.prefix_encoder is None:
         return PrefixEntry(cache, 0, past_length)
     return PrefixEntry(*ptuning(model.config).enter_prefix(model, cache, past_length, batch_size, query_length))
 
 
 def prefix_checkpointing_kwargs(model: nn.Module, kwargs: Optional[dict]) -> Optional[dict]:
-    """The keyword arguments for torch.utils.checkpoint: as given without a prefix (with one, non-reentrant)."""
+    """torch.utils.checkpoint's arguments: non-reentrant with a prefix."""
     return ptuning(model.config).checkpointing_kwargs(kwargs) if prefix_length(model) else kwargs
 
 
@@ -2011,31 +1758,24 @@ def prefix_checkpointing_kwargs(model: nn.Module, kwargs: Optional[dict]) -> Opt
 # ======================================================================================================================
 
 
-# GLM-4V (glm-4v-9b): the EVA2-CLIP vision tower lives in visual.py, a companion file loaded only for a config with
-# vision_config. It imports nothing of this file: what it needs of the language model is handed to it here.
-
-
 def vision_tower(config) -> nn.Module:
-    """GLM-4V's vision tower, from this repository's visual.py (glm-4v-9b ships a visual.py of its own)."""
+    """This repository's visual.py (not glm-4v-9b's own), handed what it needs of this file."""
     visual = import_companion("visual", config)
     if not hasattr(visual, "LanguageModelCallbacks"):
         raise ImportError(
             f"{visual.__file__} is not this repository's visual.py, or is an older one (glm-4v-9b's original has the "
             "same name): copy visual.py from the maintained ChatGLM / GLM-4 repository into the checkpoint folder "
             "along with modeling_chatglm.py (tools/install_into_checkpoint.py installs every file), and delete the "
-            "stale copy if it sits in the transformers modules cache."
-        )
+            "stale copy if it sits in the transformers modules cache.")
     callbacks = visual.LanguageModelCallbacks(
         device_boundary=device_boundary, execution_device=execution_device,
-        default_position_ids=ChatGLMModel.default_position_ids,
-    )
+        default_position_ids=ChatGLMModel.default_position_ids)
     return visual.EVA2CLIPModel(config, callbacks)
 
 
 def enter_vision(model: "ChatGLMModel", input_ids, inputs_embeds, images, position_ids, attention_mask, cache,
                  past_length):
-    """The seam into the core forward: image rows in, the token-layout mask and positions mapped to rows
-    (EVA2CLIPModel.splice). Returns (inputs_embeds, position_ids, attention_mask), unchanged for a text model."""
+    """The seam: image rows in, the mask and positions mapped to rows; unchanged for a text model."""
     if model.vision is not None:
         return model.vision.splice(input_ids, inputs_embeds, images, position_ids, attention_mask, cache, past_length)
     if images is not None:
@@ -2045,16 +1785,15 @@ def enter_vision(model: "ChatGLMModel", input_ids, inputs_embeds, images, positi
 
 
 # ======================================================================================================================
-# Chat helpers: the chat API of ChatGLM3 (and GLM-4) and of ChatGLM2 (chat, stream_chat, stream_generate,
-# process_response, ChatGLM2's build_inputs / build_stream_inputs) and quantize(). `chat_format` picks the format.
+# Chat helpers: the chat API of ChatGLM3 and GLM-4, and ChatGLM2's; `chat_format` picks the format.
 # ======================================================================================================================
 
 
 CHAT_ROLES = ("system", "user", "assistant", "observation")
 
+
 class InvalidScoreLogitsProcessor(LogitsProcessor):
-    """The originals' guard in chat(): scores that hold NaN or +inf (an fp16 overflow) become a valid distribution
-    instead of failing in sampling. Masked (-inf) scores are valid and left alone."""
+    """The originals' guard in chat(): NaN or +inf scores (fp16 overflow) become a valid distribution."""
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if torch.isnan(scores).any() or torch.isposinf(scores).any():
@@ -2063,28 +1802,8 @@ class InvalidScoreLogitsProcessor(LogitsProcessor):
         return scores
 
 
-def checked_history(history) -> list:
-    """A copy of a chat history: a list of {"role", "content"[, "metadata", "tools"]} dicts (ChatGLM3's format)."""
-    if history is None:
-        return []
-    if not isinstance(history, (list, tuple)):
-        raise ValueError(f"history must be a list of messages, got {type(history).__name__}.")
-    for index, message in enumerate(history):
-        if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(
-                f"history[{index}] must be a dict with 'role' and 'content' (ChatGLM3's format, as chat() returns "
-                f"it), got {message!r}. (query, response) pairs are ChatGLM2's format: for a ChatGLM2 checkpoint "
-                "load its tokenizer as ChatGLM2's, AutoTokenizer.from_pretrained(..., chatglm_family='chatglm2')."
-            )
-        if message["role"] not in CHAT_ROLES:
-            raise ValueError(f"history[{index}] has role {message['role']!r}; the roles are {', '.join(CHAT_ROLES)}.")
-    return [with_text_content(dict(message), index) for message in history]
-
-
 def with_text_content(message: dict, index: int) -> dict:
-    """The message with OpenAI-style content parts ([{"type": "text", "text": ...}, ...]) joined into its text, as
-    chat templates that take parts read them (the text parts in order, nothing between them). A GLM chat template
-    renders content as a string: a list would be written into the prompt as its Python repr."""
+    """OpenAI-style content parts joined: a GLM template would write a list into the prompt as its repr."""
     parts = message.get("content")
     if not isinstance(parts, (list, tuple)):
         return message
@@ -2094,36 +1813,11 @@ def with_text_content(message: dict, index: int) -> dict:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(
                 f"{where} is a {kind!r} part; chat() takes text parts only ({{'type': 'text', 'text': ...}}). "
-                "GLM-4V (glm-4v-9b) takes an image as the message's 'image' (a PIL image), not as a content part."
-            )
+                "GLM-4V (glm-4v-9b) takes an image as the message's 'image' (a PIL image), not as a content part.")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where} is a text part without a str 'text': {part!r:.100}.")
     message["content"] = "".join(part["text"] for part in parts)
     return message
-
-
-def chat_stop_ids(tokenizer) -> list:
-    """Generation stops at the end of text and where the model hands the turn back: `<|user|>`, `<|observation|>`."""
-    return [tokenizer.eos_token_id, tokenizer.get_command("<|user|>"), tokenizer.get_command("<|observation|>")]
-
-
-def chat_inputs(tokenizer, query: str, history: list, role: str, continuing: bool = False):
-    """Model inputs for `history` + (`role`, `query`), ending where the assistant answers: ChatGLM3's
-    `build_chat_input`, or the tokenizer's chat template (GLM-4). `continuing` (a cache holds the history): only the
-    ids that follow the history, so that the cache and they make the whole conversation (new_turn_inputs)."""
-    if role not in CHAT_ROLES:
-        raise ValueError(f"role={role!r} is not a chat role; the roles are {', '.join(CHAT_ROLES)}.")
-    if not isinstance(query, str):
-        raise ValueError(f"query must be a str, got {type(query).__name__}.")
-    if hasattr(tokenizer, "build_chat_input"):
-        if not continuing:
-            return dict(tokenizer.build_chat_input(query, history=history, role=role))
-        # ChatGLM3's layout: get_prefix_tokens() ([gMASK] sop), then one block per message; the cache holds the
-        # prefix and the history's blocks, the new message's block follows.
-        prefix = len(tokenizer.get_prefix_tokens())
-        return {name: value[:, prefix:] for name, value in tokenizer.build_chat_input(query, role=role).items()}
-    inputs = dict(rendered_chat(tokenizer, history + [{"role": role, "content": query}], True))
-    return new_turn_inputs(tokenizer, history, inputs) if continuing else inputs
 
 
 def rendered_chat(tokenizer, messages: list, add_generation_prompt: bool):
@@ -2132,11 +1826,7 @@ def rendered_chat(tokenizer, messages: list, add_generation_prompt: bool):
 
 
 def new_turn_inputs(tokenizer, history: list, inputs: dict) -> dict:
-    """The part of the whole conversation's inputs (`inputs`, rendered afresh) after what a cache of `history` holds:
-    the history rendered alone, which must be where the whole rendering starts. Nothing about the template is
-    assumed (a leading [gMASK]<sop>, a default system prompt it adds, how a turn ends). Without a history, the cache
-    holds no message (a document, say, put there by the caller) and the whole rendering follows it. Images belong to
-    the history's messages: their rows are in the cache."""
+    """`inputs` after the history rendered alone, assuming nothing of the template (the images: in the cache)."""
     inputs.pop("images", None)
     if not history:
         return inputs
@@ -2145,33 +1835,28 @@ def new_turn_inputs(tokenizer, history: list, inputs: dict) -> dict:
     same = torch.eq(whole[:len(held)], held[:len(whole)])
     if len(held) >= len(whole) or not bool(same.all()):
         parted = int((~same).nonzero()[0, 0]) if not bool(same.all()) else min(len(held), len(whole))
-        raise ValueError(
-            f"stream_chat(past_key_values=...) continues a cache that holds `history`, but this tokenizer's chat "
-            f"template renders `history` followed by the new message differently from `history` alone (from id "
-            f"{parted} on), so the new message's ids cannot be placed after the cache. Pass past_key_values=None: "
-            "the whole conversation is then sent."
-        )
+        raise ValueError("stream_chat(past_key_values=...) continues a cache that holds `history`, but this "
+                         "tokenizer's chat template renders `history` followed by the new message differently from "
+                         f"`history` alone (from id {parted} on), so the new message's ids cannot be placed after the "
+                         "cache. Pass past_key_values=None: the whole conversation is then sent.")
     return {name: value[:, len(held):] for name, value in inputs.items()}
 
 
 def checked_pairs(history) -> list:
-    """A copy of a ChatGLM2 chat history: a list of (query, response) pairs, as ChatGLM2's chat() returns it."""
     if history is None:
         return []
     if not isinstance(history, (list, tuple)):
         raise ValueError(f"history must be a list of (query, response) pairs, got {type(history).__name__}.")
     for index, pair in enumerate(history):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            raise ValueError(
-                f"history[{index}] must be a (query, response) pair of str (ChatGLM2's format, as its chat() returns "
-                f"it), got {pair!r:.100}. Role messages are ChatGLM3's format, which a ChatGLM2 tokenizer cannot "
-                "encode."
-            )
+            raise ValueError(f"history[{index}] must be a (query, response) pair of str (ChatGLM2's format, as its "
+                             f"chat() returns it), got {pair!r:.100}. Role messages are ChatGLM3's format, which a "
+                             "ChatGLM2 tokenizer cannot encode.")
     return list(history)
 
 
 def chatglm2_inputs(tokenizer, query: str, history: list):
-    """ChatGLM2's prompt as model inputs: `tokenizer.build_prompt`'s rounds after [gMASK] sop (its build_inputs)."""
+    """ChatGLM2's build_inputs: `tokenizer.build_prompt`'s rounds after [gMASK] sop."""
     build_prompt = getattr(tokenizer, "build_prompt", None)
     if build_prompt is None:
         raise ValueError(f"ChatGLM2's prompt comes from tokenizer.build_prompt, which {type(tokenizer).__name__} does "
@@ -2180,9 +1865,7 @@ def chatglm2_inputs(tokenizer, query: str, history: list):
 
 
 def chatglm2_stream_inputs(tokenizer, query: str, history: list):
-    """ChatGLM2's next round for a cache that holds the earlier ones (its build_stream_inputs): the round's text
-    after a blank line, without [gMASK] sop and without SentencePiece's leading "▁"; positions from 0 (stream_chat
-    puts them after the cache). Without a history, the whole prompt."""
+    """ChatGLM2's build_stream_inputs: the next round without [gMASK] sop and SentencePiece's leading "▁"."""
     if not history:
         return chatglm2_inputs(tokenizer, query, history)
     ids = tokenizer.encode(f"\n\n[Round {len(history) + 1}]\n\n问：{query}\n\n答：", add_special_tokens=False)[1:]
@@ -2190,12 +1873,44 @@ def chatglm2_stream_inputs(tokenizer, query: str, history: list):
 
 
 class RoleChat:
-    """ChatGLM3's chat, and GLM-4's through its chat template: a history of role messages, stops at the end of text
-    or where the model hands the turn back, answers (and tool calls) read by process_response."""
+    """ChatGLM3's chat, and GLM-4's through its template: role messages; answers and tool calls by process_response."""
 
-    checked_history = staticmethod(checked_history)
-    inputs = staticmethod(chat_inputs)
-    stop_ids = staticmethod(chat_stop_ids)
+    @staticmethod
+    def checked_history(history) -> list:
+        """A copy of a history of {"role", "content"[, "metadata", "tools"]} dicts (ChatGLM3's format)."""
+        if history is None:
+            return []
+        if not isinstance(history, (list, tuple)):
+            raise ValueError(f"history must be a list of messages, got {type(history).__name__}.")
+        for index, message in enumerate(history):
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(
+                    f"history[{index}] must be a dict with 'role' and 'content' (ChatGLM3's format, as chat() returns "
+                    f"it), got {message!r}. (query, response) pairs are ChatGLM2's format: for a ChatGLM2 checkpoint "
+                    "load its tokenizer as ChatGLM2's, AutoTokenizer.from_pretrained(..., chatglm_family='chatglm2').")
+            if message["role"] not in CHAT_ROLES:
+                raise ValueError(f"history[{index}] has role {message['role']!r}; the roles are "
+                                 f"{', '.join(CHAT_ROLES)}.")
+        return [with_text_content(dict(message), index) for message in history]
+
+    @staticmethod
+    def inputs(tokenizer, query: str, history: list, role: str, continuing: bool = False):
+        """Inputs up to the answer; `continuing` (a cache holds the history): only the ids that follow it."""
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role={role!r} is not a chat role; the roles are {', '.join(CHAT_ROLES)}.")
+        if not isinstance(query, str):
+            raise ValueError(f"query must be a str, got {type(query).__name__}.")
+        if hasattr(tokenizer, "build_chat_input"):
+            if not continuing:
+                return dict(tokenizer.build_chat_input(query, history=history, role=role))
+            prefix = len(tokenizer.get_prefix_tokens())  # [gMASK] sop, then a block per message: the cache holds them
+            return {name: value[:, prefix:] for name, value in tokenizer.build_chat_input(query, role=role).items()}
+        inputs = dict(rendered_chat(tokenizer, history + [{"role": role, "content": query}], True))
+        return new_turn_inputs(tokenizer, history, inputs) if continuing else inputs
+
+    @staticmethod
+    def stop_ids(tokenizer) -> list:
+        return [tokenizer.eos_token_id, tokenizer.get_command("<|user|>"), tokenizer.get_command("<|observation|>")]
 
     @staticmethod
     def reply(model, text: str, history: list, query: str, role: str):
@@ -2203,8 +1918,7 @@ class RoleChat:
 
 
 class ChatGLM2Chat:
-    """ChatGLM2's chat: a history of (query, response) pairs, build_prompt's rounds, stops at the end of text, the
-    answer stripped by process_response(text)."""
+    """ChatGLM2's chat: (query, response) pairs, build_prompt's rounds."""
 
     checked_history = staticmethod(checked_pairs)
 
@@ -2229,21 +1943,15 @@ class ChatGLM2Chat:
 
 
 def chat_format(tokenizer):
-    """The chat format of a tokenizer, the one place chat() and stream_chat() choose it: ChatGLM2's for a ChatGLM2
-    tokenizer (ours with `chatglm_family == "chatglm2"`, or chatglm2-6b's original, which has build_prompt and no
-    build_chat_input), else ChatGLM3's role messages (GLM-4's chat template included)."""
+    """The one choice of chat format: ChatGLM2's for a ChatGLM2 tokenizer (ours or the original), else roles."""
     family = getattr(tokenizer, "chatglm_family", None)
-    if family == "chatglm2" or (
-        family is None and hasattr(tokenizer, "build_prompt") and not hasattr(tokenizer, "build_chat_input")
-    ):
-        return ChatGLM2Chat
-    return RoleChat
+    original = family is None and hasattr(tokenizer, "build_prompt") and not hasattr(tokenizer, "build_chat_input")
+    return ChatGLM2Chat if family == "chatglm2" or original else RoleChat
 
 
 def parse_tool_call(content: str) -> Optional[dict]:
-    """The arguments of a tool call, read without evaluating model output (the original ran `eval` on it):
-    ChatGLM3's ```` ```python\\ntool_call(name=value, ...)\\n``` ```` block, or GLM-4's JSON object. None when the
-    content is neither."""
+    """A tool call's arguments, read without the original's `eval` of model output: ChatGLM3's
+    ```` ```python\\ntool_call(name=value, ...)\\n``` ```` block, or GLM-4's JSON object; else None."""
     text = content.strip()
     if text.startswith("{"):
         try:
@@ -2262,16 +1970,8 @@ def parse_tool_call(content: str) -> Optional[dict]:
         return None
 
 
-def chat_form_of(config) -> str:
-    """"rounds" for a ChatGLM2 checkpoint (its chat methods have no `role`), else "roles"."""
-    variant = checkpoint_variant(config)
-    return "rounds" if variant and CHECKPOINT_VARIANTS[variant]["chat"] == "rounds" else "roles"
-
-
 class ChatForm:
-    """A chat method with the parameters of the checkpoint's own original: ChatGLM3's (`role`, role messages) or,
-    for a ChatGLM2 checkpoint (model.chat_form == "rounds"), ChatGLM2's, so that positional calls written for it
-    keep their meaning. Both run the same code; the chat format itself follows the tokenizer (`chat_format`)."""
+    """A chat method with the parameters of the checkpoint's original (ChatGLM2's have no `role`)."""
 
     def __init__(self, with_roles, in_rounds):
         self.with_roles, self.in_rounds = with_roles, in_rounds
@@ -2284,16 +1984,11 @@ class ChatForm:
 
 
 class ChatMixin:
-    """`model.chat(tokenizer, "你好", history=[])` and friends, with the signatures, defaults and history format of
-    chatglm3-6b's remote code; GLM-4 checkpoints get them too, through their chat template. With a ChatGLM2
-    tokenizer they are chatglm2-6b's: (query, response) history, `build_inputs`, `build_stream_inputs`."""
+    """`model.chat(tokenizer, "你好", history=[])` and friends, as chatglm3-6b's (or chatglm2-6b's) code has them."""
 
     def process_response_with_roles(self, output: str, history: Optional[list] = None):
-        """ChatGLM3: split a decoded answer into the assistant messages it holds; returns (content, history). The
-        content is the text, or for a tool call {"name", "parameters"} when the conversation declared tools (else
-        {"name", "content"}). A message's first line is its metadata (a tool's name) only when more lines follow,
-        so an answer without a newline is text. ChatGLM2's call, without a history: the answer stripped,
-        "[[训练时间]]" as 2023年."""
+        """ChatGLM3: (content, history) of a decoded answer; content: the text, or a tool call's {"name",
+        "parameters"} where tools were declared (else {"name", "content"}). Without a history: ChatGLM2's call."""
         if history is None:
             return self.process_response_in_rounds(output)
         content = ""
@@ -2308,14 +2003,11 @@ class ChatMixin:
             history.append({"role": "assistant", "metadata": metadata, "content": content})
             has_tools = bool(history) and history[0].get("role") == "system" and "tools" in history[0]
             parameters = parse_tool_call(content) if has_tools else None
-            if parameters is not None:
-                content = {"name": metadata.strip(), "parameters": parameters}
-            else:
-                content = {"name": metadata.strip(), "content": content}
+            key, value = ("content", content) if parameters is None else ("parameters", parameters)
+            content = {"name": metadata.strip(), key: value}
         return content, history
 
     def process_response_in_rounds(self, response: str) -> str:
-        """ChatGLM2: the answer stripped, "[[训练时间]]" as 2023年."""
         return response.strip().replace("[[训练时间]]", "2023年")
 
     @torch.inference_mode()
@@ -2329,8 +2021,7 @@ class ChatMixin:
         stop_ids = chat.stop_ids(tokenizer)
         outputs = self.generate(
             **inputs, max_length=max_length, num_beams=num_beams, do_sample=do_sample, top_p=top_p,
-            temperature=temperature, logits_processor=guarded(logits_processor), eos_token_id=stop_ids, **kwargs,
-        )
+            temperature=temperature, logits_processor=guarded(logits_processor), eos_token_id=stop_ids, **kwargs)
         response = tokenizer.decode(answer_ids(outputs[0], inputs["input_ids"].shape[1], stop_ids))
         return chat.reply(self, response, history, query, role)
 
@@ -2344,12 +2035,8 @@ class ChatMixin:
     def stream_chat_with_roles(self, tokenizer, query: str, history: Optional[list] = None, role: str = "user",
                                past_key_values=None, max_length: int = 8192, do_sample=True, top_p=0.8,
                                temperature=0.8, logits_processor=None, return_past_key_values=False, **kwargs):
-        """chat() that yields (response, history) as the answer grows (whole characters only), with the cache as a
-        third item when `return_past_key_values`; pass that cache back (with the history this call returned) to
-        continue the conversation without recomputing it: the cache and the new ids make the whole conversation as
-        the chat template renders it. ChatGLM2: with a history and no cache the whole prompt is sent (the original
-        sent only the last round when return_past_key_values was set, dropping the history). A prompt that reaches
-        max_length gets one token, as in the original (chat() raises generate()'s ValueError there)."""
+        """chat() yielding (response, history) as the answer grows, and the cache with `return_past_key_values`:
+        passed back with that history, it continues the conversation (ChatGLM2's original dropped the history)."""
         chat = chat_format(tokenizer)
         history = chat.checked_history(history)
         inputs = chat.inputs(tokenizer, query, history, role, continuing=past_key_values is not None)
@@ -2365,8 +2052,7 @@ class ChatMixin:
         for ids, past_key_values in self.stream_generate(
             **inputs, past_key_values=past_key_values, eos_token_id=stop_ids, return_past_key_values=True,
             max_length=max_length, do_sample=do_sample, top_p=top_p, temperature=temperature,
-            logits_processor=guarded(logits_processor), **kwargs,
-        ):
+            logits_processor=guarded(logits_processor), **kwargs):
             text = tokenizer.decode(answer_ids(ids[0], prompt_length, stop_ids))
             if text and not text.endswith("\ufffd"):  # a character still incomplete waits for its next bytes
                 response, new_history = chat.reply(self, text, history, query, role)
@@ -2384,22 +2070,19 @@ class ChatMixin:
                                            max_length, do_sample, top_p, temperature, logits_processor,
                                            return_past_key_values, **kwargs)
 
-    # Each with the parameters of the checkpoint's own original: ChatGLM2's (no `role`) for a ChatGLM2 checkpoint.
     chat = ChatForm(chat_with_roles, chat_in_rounds)
     stream_chat = ChatForm(stream_chat_with_roles, stream_chat_in_rounds)
     process_response = ChatForm(process_response_with_roles, process_response_in_rounds)
 
     def build_inputs(self, tokenizer, query: str, history: Optional[list] = None):
-        """ChatGLM2's model inputs for `history` ((query, response) pairs) + `query` (API of chatglm2-6b's code), on
-        the device the model reads its inputs on."""
+        """chatglm2-6b's: the model inputs for `history` ((query, response) pairs) and `query`."""
         return self.on_input_device(chatglm2_inputs(tokenizer, query, checked_pairs(history)))
 
     def build_stream_inputs(self, tokenizer, query: str, history: Optional[list] = None):
-        """ChatGLM2's next round for a cache holding `history` (API of chatglm2-6b's code; see stream_chat)."""
+        """chatglm2-6b's: the next round's inputs for a cache holding `history`."""
         return self.on_input_device(chatglm2_stream_inputs(tokenizer, query, checked_pairs(history)))
 
     def on_input_device(self, inputs):
-        """`inputs` (a tokenizer's output) moved to where the model reads its input ids (the embedding's device)."""
         device = execution_device(self.transformer.embedding)
         for name, value in inputs.items():
             inputs[name] = device_boundary(value, device)
@@ -2408,17 +2091,12 @@ class ChatMixin:
     @torch.inference_mode()
     def stream_generate(self, input_ids, generation_config=None, logits_processor=None, stopping_criteria=None,
                         prefix_allowed_tokens_fn=None, return_past_key_values=False, **kwargs):
-        """Greedy or sampled decoding that yields the ids so far (prompt included) after every new token, with the
-        cache when `return_past_key_values`. Takes generate()'s settings, applied by the processors and stopping
-        criteria generate() builds for them (one that needs another search, `num_beams > 1` say, is refused naming
-        it), and model inputs (attention_mask, position_ids, past_key_values; `tokenizer` for stop_strings). A prompt
-        that reaches max_length still gets one new token, with a warning, as in the original (generate() refuses it)."""
+        """Yields the ids so far (and the cache with `return_past_key_values`) after each token, with generate()'s
+        processors and stopping criteria; a setting that needs another search (`num_beams > 1`) is refused."""
         config, model_inputs = self._prepare_generation_config(generation_config, **kwargs)
         check_streamable(config)
-        attention_mask = model_inputs.pop("attention_mask", None)
-        position_ids = model_inputs.pop("position_ids", None)
-        past_key_values = model_inputs.pop("past_key_values", None)
-        tokenizer = model_inputs.pop("tokenizer", None)
+        attention_mask, position_ids, past_key_values, tokenizer = (
+            model_inputs.pop(name, None) for name in ("attention_mask", "position_ids", "past_key_values", "tokenizer"))
         if model_inputs:
             raise ValueError(f"stream_generate() got unexpected arguments: {', '.join(sorted(model_inputs))}.")
         device = execution_device(self.transformer.output_layer) or input_ids.device
@@ -2458,23 +2136,19 @@ class ChatMixin:
             yield (input_ids, past_key_values) if return_past_key_values else input_ids
 
     def cached_tokens(self, cache) -> int:
-        """Tokens a cache holds, without the P-tuning v2 prefix slots (an attention mask covers tokens only)."""
+        """Tokens a cache holds, without a P-tuning v2 prefix's slots (which a non-empty cache leads with)."""
         length = cache.get_seq_length()
-        return length - cached_prefix(self.transformer, length)
+        return length if isinstance(length, int) and length == 0 else length - prefix_length(self)
 
     def quantize(self, bits: int, empty_init=False, device=None, storage: str = "library", **kwargs):
-        """The original's `model.quantize(bits)`: weight-only quantization of the blocks' linear layers (embedding
-        and output layer stay), through a maintained library (storage="library": torchao when installed, else
-        optimum-quanto), or storage="original": the original's own storage (int8 codes, a per-row scale;
-        quantization_chatglm.py, multiplied by torch's int8/int4 kernel as a pre-quantized checkpoint is, and saved
-        as one). Returns the model. `empty_init` and `device` are accepted for old calling code and not needed."""
+        """The original's `model.quantize(bits)`: the blocks' linear layers through torchao (else optimum-quanto), or
+        with storage="original" as the original stored them. `empty_init`, `device`: unused. Returns the model."""
         self.transformer.quantize(bits, storage)
         self.quantized = self.quantized or bits != 0
         return self
 
     def quantize_output_layer(self, bits: int = 8):
-        """Opt-in: the output layer held as `bits`-bit codes (8 or 4) with a per-row scale, for decode on torch's
-        int8/int4 kernel (quantization_chatglm.quantize_output_layer says when it pays). Returns the model."""
+        """Opt-in: the output layer as 8- or 4-bit codes for decode (quantization_chatglm.py says when it pays)."""
         import_companion("quantization_chatglm", self.config).quantize_output_layer(self.transformer, bits)
         return self
 
@@ -2486,13 +2160,11 @@ def guarded(logits_processor) -> LogitsProcessorList:
 
 
 def answer_ids(ids: torch.Tensor, prompt_length: int, stop_ids: list) -> list:
-    """The generated ids after the prompt, without the stop token that ended them."""
     answer = ids[prompt_length:].tolist()
     return answer[:-1] if answer and answer[-1] in stop_ids else answer
 
 
-# Settings that make generate() search otherwise than a token at a time (GenerationConfig.get_generation_mode), or
-# return more than stream_generate() yields (one sequence per prompt row).
+# Settings that make generate() search otherwise than a token at a time, or return more than one sequence a row.
 UNSTREAMABLE = ("num_beams", "num_beam_groups", "penalty_alpha", "constraints", "force_words_ids", "dola_layers",
                 "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "num_return_sequences",
                 "return_dict_in_generate")
@@ -2513,30 +2185,35 @@ def check_streamable(config):
 # ======================================================================================================================
 
 
-def as_tuple(loss, logits, outputs) -> tuple:
-    """The return_dict=False outputs of a head: loss, logits, cache, hidden states, attentions, leaving out None."""
+def head_outputs(output_class, loss, logits, outputs, return_dict: bool):
+    """A head's ModelOutput, or with return_dict=False its values without the None ones."""
+    if return_dict:
+        return output_class(loss=loss, logits=logits, **cache_output(returned_cache(outputs)),
+                            hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     values = (loss, logits, returned_cache(outputs), outputs.hidden_states, outputs.attentions)
     return tuple(v for v in values if v is not None)
 
 
-def extend_position_ids(position_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """position_ids given to generate() cover the prompt (the GLM tokenizers return them); the tokens generated
-    after it continue from the last prompt position. transformers before 5.x does not extend them itself."""
-    missing = length - position_ids.shape[-1]
-    steps = torch.arange(1, missing + 1, device=position_ids.device, dtype=position_ids.dtype)
-    return torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
-
-
 def warn_beyond_seq_length(config, max_new_tokens, generation_config):
-    """Generating more tokens than the model's context (seq_length) runs, with output that degrades past it."""
     if max_new_tokens is None:
         max_new_tokens = getattr(generation_config, "max_new_tokens", None)
     seq_length = getattr(config, "seq_length", None)
     if isinstance(max_new_tokens, int) and isinstance(seq_length, int) and max_new_tokens > seq_length:
         logger.warning_once(
             f"max_new_tokens={max_new_tokens} is beyond this model's seq_length={seq_length} (config.json), the "
-            "longest context it was trained for: text generated past it degrades. Lower max_new_tokens."
-        )
+            "longest context it was trained for: text generated past it degrades. Lower max_new_tokens.")
+
+
+def settings_aliased_by_a_tool(config) -> bool:
+    """Whether the generation settings on the model config are all aliases of its fields (GPTQModel maps
+    `max_length` to `seq_length`): transformers 5 raises on any, when no generation_config is passed."""
+    settings = getattr(config, "_get_generation_parameters", lambda: {})()
+    aliases = getattr(config, "attribute_map", None) or {}
+    return bool(settings) and all(name in aliases for name in settings)
+
+
+# 5.x's GenerationConfig() leaves every setting unset, and generate() fills them as when none is passed.
+_GENERATION_CONFIG_FILLED_LIKE_NONE = GenerationConfig().max_length is None
 
 
 class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, GenerationMixin):
@@ -2548,11 +2225,10 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
     def __init__(self, config: ChatGLMConfig, empty_init=True, device=None):
         super().__init__(config)
         self.transformer = ChatGLMModel(config, empty_init=empty_init, device=device)
-        # The original's attributes: config.max_length (transformers' default, 20, unless config.json sets it;
-        # 5.x configs no longer have it), and whether the blocks are quantized.
-        self.max_sequence_length = getattr(config, "max_length", 20)
+        self.max_sequence_length = getattr(config, "max_length", 20)  # the original's (5.x configs lack max_length)
         self.quantized = weight_storage(config) != "float"
-        self.chat_form = chat_form_of(config)
+        variant = checkpoint_variant(config)  # ChatGLM2's chat methods have no `role`
+        self.chat_form = "rounds" if variant and CHECKPOINT_VARIANTS[variant]["chat"] == "rounds" else "roles"
         self.post_init()
 
     def get_output_embeddings(self):
@@ -2561,31 +2237,15 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
     def set_output_embeddings(self, new_embeddings):
         self.transformer.output_layer = new_embeddings
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        past_key_values=None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.LongTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        return_last_logit: Optional[bool] = False,
-        logits_to_keep: Union[int, torch.Tensor] = 0,
-        images: Optional[torch.Tensor] = None,
-        cache: Optional[Cache] = None,
-        **loss_kwargs,  # the Trainer of 4.46-4.48 passes num_items_in_batch only to a `**loss_kwargs` by that name
-    ):
-        """`labels` give the causal-LM loss in fp32, as transformers' ForCausalLMLoss computes it: shifted left, or
-        `shift_labels` already shifted (sequence / context parallelism; the loss is computed from either);
-        `ignore_index` (-100) marks positions without a target; `num_items_in_batch` (from the Trainer) makes it a sum
-        divided by that count. `logits_to_keep` / `return_last_logit` compute the logits of the last positions only.
-        `images` (GLM-4V, see ChatGLMModel.forward): the logits have a row per image row, and token-layout labels are
-        mapped to those rows (-100 on the image). Other keyword arguments go to the base model (and from there to the
-        attention kernel). `cache` is transformers 5.24's name for `past_key_values` (pass one of the two)."""
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, position_ids: Optional[torch.LongTensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, past_key_values=None,
+                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                use_cache: Optional[bool] = None, output_attentions: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None,
+                return_last_logit: Optional[bool] = False, logits_to_keep: Union[int, torch.Tensor] = 0,
+                images: Optional[torch.Tensor] = None, cache: Optional[Cache] = None, **loss_kwargs):
+        """`labels` or `shift_labels`: transformers' fp32 causal-LM loss (the 4.46-4.48 Trainer passes its
+        num_items_in_batch only to `**loss_kwargs`). `images` (GLM-4V): a logits row per image row."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         loss_args = {name: loss_kwargs.pop(name) for name in ("num_items_in_batch", "shift_labels", "ignore_index")
                      if name in loss_kwargs}
@@ -2593,17 +2253,13 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             past_key_values=caller_cache(past_key_values, cache), inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            images=images, **loss_kwargs,
-        )
+            images=images, **loss_kwargs)
         hidden_states = outputs.last_hidden_state
-        if return_last_logit:
-            logits_to_keep = 1
-        if isinstance(logits_to_keep, int):
-            if logits_to_keep:
-                hidden_states = hidden_states[:, -logits_to_keep:]
-        else:
+        logits_to_keep = 1 if return_last_logit else logits_to_keep
+        if not isinstance(logits_to_keep, int):
             hidden_states = hidden_states[:, logits_to_keep]
-        # Hidden states to the output layer's device; labels and the item count to the logits' device.
+        elif logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
         output_layer = self.transformer.output_layer
         logits = output_layer(device_boundary(hidden_states, execution_device(output_layer)))
 
@@ -2615,26 +2271,17 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
                     input_ids, loss_args["shift_labels"], shifted=True)
         if labels is not None or loss_args.get("shift_labels") is not None:
             loss = self.lm_loss(logits, labels, **loss_args)
-        if not return_dict:
-            return as_tuple(loss, logits, outputs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **cache_output(returned_cache(outputs)),
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+        return head_outputs(CausalLMOutputWithPast, loss, logits, outputs, return_dict)
 
     def lm_loss(self, logits, labels, shift_labels=None, ignore_index=-100, num_items_in_batch=None):
-        """transformers' causal-LM loss (compatibility layer), with the targets and the item count on the logits'
-        device."""
+        """transformers' causal-LM loss, with the targets and the item count on the logits' device."""
         vocab_size, checks = self.config.padded_vocab_size, load_checks(self.config)
         for name, targets in (("labels", labels), ("shift_labels", shift_labels)):
             if checks is not None:
                 checks.check_targets(name, targets, logits)
         labels, shift_labels = device_boundary(labels, logits.device), device_boundary(shift_labels, logits.device)
-        nothing_scored = checks is not None and checks.check_target_values(labels, shift_labels, vocab_size,
-                                                                           ignore_index)
+        nothing_scored = checks is not None and not is_tracing() and checks.check_target_values(
+            labels, shift_labels, vocab_size, ignore_index)  # (values: read with a host sync)
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = device_boundary(num_items_in_batch, logits.device)
         loss = causal_lm_loss(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
@@ -2644,12 +2291,7 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
         return loss
 
     def generate(self, inputs=None, *args, **kwargs):
-        """transformers' generate(), with its bookkeeping (prompt, mask, the tokens it appends) on one device, wherever
-        the caller left the inputs: model.device (4.51+, which move each step's logits there) or the logits' device
-        (before 4.51, whose logits processors read the ids beside the scores where the output layer left them); see
-        `generation_device`. Each forward moves the step's inputs to the embedding's device. Without this, a prompt
-        left on the CPU warns, and a model split over devices fails on 4.44 to 4.50 unless accelerate's hooks move the
-        logits back."""
+        """transformers' generate() with its ids on `generation_device`, wherever the caller left them."""
         if args:  # generate(ids, generation_config, logits_processor, ...): named as transformers' generate names them
             names = [parameter.name for parameter in inspect.signature(GenerationMixin.generate).parameters.values()
                      if parameter.kind is parameter.POSITIONAL_OR_KEYWORD][2:]  # after self, inputs
@@ -2666,36 +2308,36 @@ class ChatGLMForConditionalGeneration(ChatMixin, ChatGLMPreTrainedModel, Generat
             kwargs = ptuning(self.config).reserve_static_cache_room(self, inputs, kwargs)
         warn_beyond_seq_length(self.config, kwargs.get("max_new_tokens"),
                                kwargs.get("generation_config") or self.generation_config)
+        if kwargs.get("generation_config") is None and _GENERATION_CONFIG_FILLED_LIKE_NONE \
+                and settings_aliased_by_a_tool(self.config):  # (a tool's alias is no setting)
+            kwargs["generation_config"] = GenerationConfig()
         with quiet_device_type_check(self, device):
             return super().generate(inputs, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       position_ids=None, inputs_embeds=None, **kwargs):
-        """transformers' input preparation (ours on 4.44/4.45), given the cache under the release's name. The inputs
-        it returns hold the cache as `past_key_values` on every release: PEFT (0.12 to 0.21, the newest) looks for it
-        there and puts its prefix-tuning prefix there, so under 5.24's `cache` a prefix would come as a second cache."""
+        """The cache returned as `past_key_values` on every release, where PEFT (0.12 to 0.21) puts its prefix."""
         past_key_values = caller_cache(past_key_values, kwargs.pop("cache", None))
         checks = load_checks(self.config)
-        if inputs_embeds is None and checks is not None:  # the cache holds the ids but the newest (and the prefix
-            # slots): no host sync
+        if inputs_embeds is None and checks is not None:  # (from the ids' length: no host sync)
             checks.check_cache_room(max_cache_length(past_key_values) if isinstance(past_key_values, Cache) else None,
                                     input_ids.shape[-1] + prefix_length(self),
                                     f"the {input_ids.shape[-1]} tokens of the sequence so far")
         if position_ids is not None and inputs_embeds is None and position_ids.shape[-1] < input_ids.shape[-1]:
-            position_ids = extend_position_ids(position_ids, input_ids.shape[-1])
+            # The prompt's positions (the GLM tokenizers return them) continued, as 5.x does itself.
+            steps = torch.arange(1, input_ids.shape[-1] - position_ids.shape[-1] + 1, device=position_ids.device,
+                                 dtype=position_ids.dtype)
+            position_ids = torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
         if _HAS_GENERIC_PREPARE_INPUTS:
             model_inputs = super().prepare_inputs_for_generation(
                 input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
-                **cache_output(past_key_values), **kwargs,
-            )
+                **cache_output(past_key_values), **kwargs)
             model_inputs["past_key_values"] = model_inputs.pop(CACHE_NAME, None)
         else:
             model_inputs = prepare_inputs_before_4_46(
-                input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, config=self.config, **kwargs
-            )
+                input_ids, past_key_values, attention_mask, position_ids, inputs_embeds, config=self.config, **kwargs)
         if prefix_length(self) and (attention_mask is None or attention_mask.dim() == 2):
-            # Static caches get a 4-D mask (4.53+, and ours before 4.46), blind to the prefix slots: the model builds
-            # its own from the 2-D one.
+            # A static cache's 4-D mask (4.53+, ours before 4.46) is blind to the prefix: the model builds its own.
             model_inputs["attention_mask"] = attention_mask
         return model_inputs
 
@@ -2712,35 +2354,20 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
         self.dropout = nn.Dropout(dropout) if dropout is not None else None
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        full_attention_mask: Optional[torch.Tensor] = None,
-        past_key_values=None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.LongTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        cache: Optional[Cache] = None,
-        **kwargs,
-    ):
-        """Classifies each sequence from its last real token (the last column where attention_mask is 1, so left
-        and right padding both work; the last position without a mask, as in the original). `full_attention_mask`
-        keeps the original's positional signature and is ignored: the model builds its mask from attention_mask.
-        `cache` is transformers 5.24's name for `past_key_values` (pass one of the two)."""
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, position_ids: Optional[torch.LongTensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, full_attention_mask: Optional[torch.Tensor] = None,
+                past_key_values=None, inputs_embeds: Optional[torch.Tensor] = None,
+                labels: Optional[torch.LongTensor] = None, use_cache: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
+                return_dict: Optional[bool] = None, cache: Optional[Cache] = None, **kwargs):
+        """Classifies each sequence from its last real token. `full_attention_mask`: the original's, ignored."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.transformer(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             past_key_values=caller_cache(past_key_values, cache), inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            **kwargs,
-        )
-        # Pooling on the device of the logits (the classifier's); labels follow.
-        head_device = execution_device(self.classifier_head) or outputs.last_hidden_state.device
+            **kwargs)
+        head_device = execution_device(self.classifier_head) or outputs.last_hidden_state.device  # labels follow
         hidden_states = device_boundary(outputs.last_hidden_state, head_device)
         if attention_mask is not None:
             mask = device_boundary(attention_mask, head_device).long()
@@ -2755,12 +2382,7 @@ class ChatGLMForSequenceClassification(ChatGLMPreTrainedModel):
         loss = None
         if labels is not None:
             loss = self.classification_loss(logits.float(), device_boundary(labels, logits.device))
-        if not return_dict:
-            return as_tuple(loss, logits, outputs)
-        return SequenceClassifierOutputWithPast(
-            loss=loss, logits=logits, **cache_output(returned_cache(outputs)),
-            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-        )
+        return head_outputs(SequenceClassifierOutputWithPast, loss, logits, outputs, return_dict)
 
     def classification_loss(self, logits, labels):
         problem_type = self.config.problem_type

@@ -382,6 +382,23 @@ def prefill(results, models, args, clock):
     results.add("prefill", f"prefill {args.prefill}: peak tensor memory (cache included)", "MiB",
                 interleaved(1, models, peak))
 
+    # A left-padded batch: the attention mask is materialised (issue 48: the original's float32 [batch, q, q] mask
+    # was built beside it, for nothing); a quarter of three rows is padding.
+    batch, length = 4, args.prefill // 4
+    padded = random_ids(batch, length, 6, args.device)
+    mask = torch.ones_like(padded)
+    mask[1:, : length // 4] = 0
+
+    def padded_peak(name, model):
+        gc.collect()
+        with peak_tensor_bytes(args.device) as measured, torch.no_grad():
+            out = model(input_ids=padded, attention_mask=mask, use_cache=True, **last_logit_kwargs(model))
+            del out
+        return measured["peak"] / MIB
+
+    results.add("prefill", f"prefill {batch} x {length}, left-padded: peak tensor memory (cache included)", "MiB",
+                interleaved(1, models, padded_peak))
+
 
 def decode_step_times(models, args, clock, kind, batch, context) -> dict:
     """Seconds per decode step on a cache holding `context` positions (the first step, which sets up lazily
@@ -771,7 +788,8 @@ def step_profile(results, models, args, clock):
     tokens = random_ids(batch, 2, 5, args.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     counts = {}
-    for name, model in models.items():
+
+    def count(model):
         generator = torch.Generator(device=args.device).manual_seed(4)
         cache = filled_cache(model, "dynamic", batch, context, context + 2, generator)
         with torch.no_grad():
@@ -784,8 +802,22 @@ def step_profile(results, models, args, clock):
                 kernels[event.name] += 1
             elif event.name.startswith("aten::"):
                 operators[event.name] += 1
-        counts[name] = (operators, kernels)
-        del cache
+        return operators, kernels
+
+    for name, model in models.items():
+        counts[name] = count(model)
+    # Watched: a no-op forward hook on every module (what DeepSpeed ZeRO-3 and the profilers install) must not change
+    # what the fork runs (issue 48).
+    fork = models["fork"]
+    handles = [module.register_forward_hook(lambda *hook_args: None) for module in fork.modules()]
+    try:
+        hooked = count(fork)
+    finally:
+        for handle in handles:
+            handle.remove()
+    results.add("profile", f"decode step bs={batch}, context {context}, a no-op hook on every module: torch "
+                "operators, fork hooked / fork", "count",
+                {"fork": [sum(hooked[0].values())], "native": [sum(counts["fork"][0].values())]})
     for index, what in enumerate(("torch operators", "CUDA kernels")):
         if index and not args.device.startswith("cuda"):
             break

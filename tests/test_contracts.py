@@ -10,9 +10,11 @@ Families: GLM-4 and ChatGLM3 (their records), ChatGLM2 and chatglm2-6b-32k (a ch
 shapes and masks are compared one to one; ChatGLM2/3's originals are sequence-first, so for them names, call arity
 and return structure are.
 """
+import copy
 import inspect
 import json
 import math
+import pickle
 import types
 from functools import partial
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from chatglm_tools import shared_path
+from chatglm_tools import kv_cache, shared_path
 from conftest import random_model, tiny_config_dict
 
 # family -> (config family, config overrides): ChatGLM2 is a chatglm2-6b folder (its variant row), 32k its own
@@ -210,11 +212,13 @@ def test_layer_replay_gives_the_models_own_hidden_states(chatglm, family, replay
     """GPTQModel's flow: the original encoder forward installed, a forward pre-hook on layer 0 captures its first
     positional argument and its keywords (the attention mask apart, moved with `.to(device=)`) and stops the
     forward; each layer is then called on the previous one's output with `use_cache=False` and those keywords
-    (the mask as captured, or None where the tool does not batch). The outputs are the model's own hidden states."""
+    (the mask as captured; or None where the tool does not batch, on a batch without padding). The outputs are the
+    model's own hidden states."""
     model = build(chatglm, family)
-    position_ids = (PADDING.cumsum(-1) - 1).clamp(min=0)
+    ids, padding = (IDS, PADDING) if replayed_mask == "captured" else (IDS + 30, torch.ones_like(PADDING))
+    position_ids = (padding.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        expected = model(IDS, attention_mask=PADDING, position_ids=position_ids, use_cache=False,
+        expected = model(ids, attention_mask=padding, position_ids=position_ids, use_cache=False,
                          output_hidden_states=True).hidden_states
     captured = {}
 
@@ -234,7 +238,7 @@ def test_layer_replay_gives_the_models_own_hidden_states(chatglm, family, replay
         hook = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
         try:
             with pytest.raises(Stop):
-                model(IDS, attention_mask=PADDING, position_ids=position_ids, use_cache=False)
+                model(ids, attention_mask=padding, position_ids=position_ids, use_cache=False)
         finally:
             hook.remove()
         hidden_states = captured["hidden_states"]
@@ -248,12 +252,188 @@ def test_layer_replay_gives_the_models_own_hidden_states(chatglm, family, replay
     torch.testing.assert_close(final, expected[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_a_layer_called_with_the_originals_tensors_says_what_it_takes(chatglm):
-    model = build(chatglm, "glm4")
-    layer = model.transformer.encoder.layers[0]
-    rotary = model.transformer.rotary_pos_emb(8)[torch.arange(4)][None]  # the original's rotary rows
-    with pytest.raises(TypeError, match="rotary_pos_emb.*LayerInputs"), torch.no_grad():
-        layer(torch.randn(1, 4, model.config.hidden_size), None, rotary, kv_cache=None, use_cache=False)
+@pytest.mark.parametrize("replaced", ["layer", "self_attention"])
+@pytest.mark.parametrize("family", ["glm4", "chatglm3"])
+def test_a_replaced_layer_or_attention_forward_is_handed_the_originals_values(chatglm, family, replaced):
+    """A tool's forward in a layer's or its self_attention's place (AutoRound replaces a block's forward to capture
+    its inputs) is called with the original's values: the rotary rows, the boolean mask True where a query must
+    not look. Calling this file's forward with them gives the model's own logits."""
+    model = build(chatglm, family)
+    expected = steps_logits(model)
+    module = model.transformer.encoder.layers[1]
+    module = module if replaced == "layer" else module.self_attention
+    seen = []
+
+    def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=None, use_cache=True):
+        seen.append((type(attention_mask), type(rotary_pos_emb)))
+        assert isinstance(rotary_pos_emb, torch.Tensor) and rotary_pos_emb.shape[-1] == 2
+        assert attention_mask is None or attention_mask.dtype == torch.bool
+        return type(self).forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_cache=kv_cache,
+                                  use_cache=use_cache)
+
+    module.forward = types.MethodType(forward, module)
+    assert_same_logits(steps_logits(model), expected)
+    assert seen[0] == (torch.Tensor, torch.Tensor)  # the padded prompt comes with the original's mask
+    assert len(seen) == 4
+
+
+def original_tensors(model, ids, padding, position_ids, past=None):
+    """What the original GLM-4 ChatGLMModel.forward hands its encoder: the embeddings, its mask (get_masks, the
+    original's helper: True where a query must not look, None without padding in a prompt or a decode step), the
+    rows of its rotary table at the position ids."""
+    transformer = model.transformer
+    new = ids.shape[1]
+    mask = None
+    if not bool(padding.all()) or (past is not None and new != 1):
+        mask = transformer.get_masks(ids, past, padding_mask=padding)
+    rotary = transformer.rotary_pos_emb(transformer.seq_length)[position_ids]
+    return transformer.embedding(ids), mask, rotary
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_glm4_modules_called_with_the_originals_tensors_return_the_originals_results(chatglm, implementation):
+    """GLM-4 (batch first, as ours): each layer, layer 0's self_attention and the encoder, called exactly as the
+    original calls them with the original's tensors, return the model's own hidden states (1e-5) in the original's
+    formats: a prompt's keys and values as one tensor [1, 2, batch, kv_heads, seq, dim] per layer, concatenated
+    over the layers by the encoder; a decode step's as the (keys, values) pairs of every token so far."""
+    model = build(chatglm, "glm4", implementation)
+    transformer, config = model.transformer, model.config
+    position_ids = (PADDING.cumsum(-1) - 1).clamp(min=0)
+    attention_outputs = []
+    handle = transformer.encoder.layers[0].self_attention.register_forward_hook(
+        lambda module, args, output: attention_outputs.append(output[0]))
+    try:
+        with torch.no_grad():
+            ours = model(IDS, attention_mask=PADDING, position_ids=position_ids, use_cache=True,
+                         output_hidden_states=True)
+    finally:
+        handle.remove()
+    expected = ours.hidden_states
+    layers = transformer.encoder.layers
+    with torch.no_grad():
+        hidden, mask, rotary = original_tensors(model, IDS, PADDING, position_ids)
+        torch.testing.assert_close(hidden, expected[0])
+        attention, present = layers[0].self_attention(layers[0].input_layernorm(hidden), mask, rotary,
+                                                      kv_cache=None, use_cache=True)
+        torch.testing.assert_close(attention, attention_outputs[0], atol=1e-5, rtol=1e-5)
+        kv_heads = config.multi_query_group_num
+        assert present.shape == (1, 2, 2, kv_heads, 6, config.kv_channels)
+        for index, layer in enumerate(layers[:-1]):
+            hidden, _ = layer(hidden, mask, rotary, kv_cache=None, use_cache=True)
+            torch.testing.assert_close(hidden, expected[index + 1], atol=1e-5, rtol=1e-5)
+        encoded, presents, all_hidden, attentions = transformer.encoder(
+            expected[0], mask, rotary_pos_emb=rotary, kv_caches=None, use_cache=True, output_hidden_states=False)
+        torch.testing.assert_close(encoded, expected[-1], atol=1e-5, rtol=1e-5)
+        assert all_hidden is None and attentions is None
+        assert presents.shape == (config.num_layers, 2, 2, kv_heads, 6, config.kv_channels)
+        cache = kv_cache.returned(ours)
+        for index in range(config.num_layers):  # the same keys and values as this model's cache
+            torch.testing.assert_close(presents[index, 0], kv_cache.layer_tensors(cache)[index][0], atol=1e-5, rtol=1e-5)
+
+        # one decode step on the original's pairs, as its ChatGLMModel splits the prompt's presents
+        pairs = tuple((presents[index, 0], presents[index, 1]) for index in range(config.num_layers))
+        token, step_mask = torch.tensor([[74], [196]]), torch.cat([PADDING, torch.ones(2, 1, dtype=torch.long)], -1)
+        step_positions = position_ids[:, -1:] + 1
+        hidden, mask, rotary = original_tensors(model, token, step_mask, step_positions, past=pairs)
+        encoded, step_presents, _, _ = transformer.encoder(hidden, mask, rotary_pos_emb=rotary, kv_caches=pairs,
+                                                           use_cache=True)
+        step = model(token, attention_mask=step_mask, position_ids=step_positions, use_cache=True,
+                     output_hidden_states=True, **kv_cache.argument(cache))
+    torch.testing.assert_close(encoded, step.hidden_states[-1], atol=1e-5, rtol=1e-5)
+    assert isinstance(step_presents, tuple) and len(step_presents) == config.num_layers
+    assert all(keys.shape[-2] == 7 for keys, _ in step_presents)
+
+
+@pytest.mark.parametrize("family", ["chatglm3", "chatglm2"])
+def test_sequence_first_tensors_get_an_error_naming_the_layout(chatglm, family):
+    """ChatGLM2/3's originals are sequence-first ([seq, batch, hidden]); this model's layers are batch-first for every
+    family. A layer called with sequence-first tensors says which layout it takes instead of computing on them."""
+    model = build(chatglm, family)
+    transformer = model.transformer
+    position_ids = (PADDING.cumsum(-1) - 1).clamp(min=0)
+    hidden, mask, rotary = original_tensors(model, IDS, PADDING, position_ids)
+    with pytest.raises(ValueError, match=r"batch-first.*hidden_states \[batch, seq, hidden\].*sequence-first"), \
+            torch.no_grad():
+        transformer.encoder.layers[0](hidden.transpose(0, 1), mask, rotary.transpose(0, 1), kv_cache=None,
+                                      use_cache=False)
+
+
+# ---- 3b. an AutoRound-style capture and replay (AutoRound) ----------------------------------------------------------
+
+class Dropped:
+    """What a capture that keeps only some types leaves of an argument it does not keep."""
+
+
+def kept_as_autoround_keeps(value):
+    """An argument as AutoRound's capture keeps it (auto_round 0.16's block-input cache and its to_device): a tensor
+    moved to the CPU, a list or tuple rebuilt as a plain list or tuple of its kept items, a string, bool or None as
+    it is; an object of any other class is not kept (Dropped)."""
+    if isinstance(value, torch.Tensor):
+        return value.to("cpu")
+    if isinstance(value, (list, tuple)):
+        items = [kept_as_autoround_keeps(item) for item in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    return Dropped()
+
+
+def contains_dropped(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(contains_dropped(item) for item in value)
+    return isinstance(value, Dropped)
+
+
+@pytest.mark.parametrize("captured_by", ["replaced forward", "hook"])
+@pytest.mark.parametrize("family", list(FAMILY_MODELS))
+def test_layer_inputs_kept_as_autoround_keeps_them_replay_after_deepcopy_and_pickle(chatglm, family, captured_by):
+    """AutoRound's flow: layer 0's forward replaced on the instance by one that records its arguments and calls the
+    layer's own forward (or, as a tool that only reads, a forward pre-hook), the arguments kept as AutoRound keeps
+    them (tensors, plain lists and tuples, strings, bools, None); then each layer, its own forward restored, replayed
+    on the previous one's output with layer 0's other arguments: as kept, deep-copied and pickled. Nothing is dropped
+    (AutoRound dropped the LayerInputs object, and the replay failed on a missing rotary_pos_emb), and the replay gives
+    the model's own hidden states."""
+    model = build(chatglm, family)
+    position_ids = (PADDING.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = model(IDS, attention_mask=PADDING, position_ids=position_ids, use_cache=False,
+                         output_hidden_states=True).hidden_states
+    layers = model.transformer.encoder.layers
+    captured = []
+
+    def record(args, kwargs):
+        captured.append((kept_as_autoround_keeps(args), {name: kept_as_autoround_keeps(value)
+                                                         for name, value in kwargs.items()}))
+
+    if captured_by == "hook":
+        handle = layers[0].register_forward_pre_hook(lambda module, args, kwargs: record(args[1:], kwargs),
+                                                     with_kwargs=True)
+    else:
+        def forward(self, hidden_states, *args, **kwargs):
+            record(args, kwargs)
+            return type(self).forward(self, hidden_states, *args, **kwargs)
+
+        layers[0].forward = types.MethodType(forward, layers[0])
+    with torch.no_grad():
+        model(IDS, attention_mask=PADDING, position_ids=position_ids, use_cache=False)
+    if captured_by == "hook":
+        handle.remove()
+    else:
+        del layers[0].forward
+    assert len(captured) == 1 and not contains_dropped(captured[0])
+    copies = {"as kept": lambda value: value, "deep-copied": copy.deepcopy,
+              "pickled": lambda value: pickle.loads(pickle.dumps(value))}
+    for how, copied in copies.items():
+        args, kwargs = copied(captured[0])
+        hidden_states = expected[0]
+        with torch.no_grad():
+            for index, layer in enumerate(layers):
+                hidden_states, cache = layer(hidden_states, *args, **{**kwargs, "use_cache": False})
+                assert cache is None
+                if index + 1 < len(layers):
+                    torch.testing.assert_close(hidden_states, expected[index + 1], atol=1e-5, rtol=1e-5, msg=how)
+            final = model.transformer.encoder.final_layernorm(hidden_states)
+        torch.testing.assert_close(final, expected[-1], atol=1e-5, rtol=1e-5, msg=how)
 
 
 # ---- 4. the record: our modules against the original's, recorded the same way ----------------------------------
@@ -261,16 +441,21 @@ RECORDED_PATHS = ("transformer.embedding", "transformer.rotary_pos_emb", "transf
                   "transformer.encoder.layers.0", "transformer.encoder.layers.0.self_attention",
                   "transformer.encoder.layers.0.self_attention.core_attention", "transformer.encoder.layers.0.mlp",
                   "transformer.encoder.final_layernorm", "transformer.output_layer")
-# Where this model hands over its own values, cheaper than the original's (the docstrings of GLMTransformer and
-# SelfAttention): (module path, argument or "return[i]") -> the type it is. Everything else is the original's.
+# Where this model hands over its own values, cheaper than the original's (modeling_chatglm.py, "Module contracts"):
+# (module path, argument or "return[i]" / "return") -> what it is. Everything else is the original's.
 OUR_VALUES = {
-    ("transformer.encoder", "rotary_pos_emb"): "LayerInputs", ("transformer.encoder", "kv_caches"): "caches",
-    ("transformer.encoder", "return[1]"): "caches",
-    ("transformer.encoder.layers.0", "2"): "LayerInputs", ("transformer.encoder.layers.0", "kv_cache"): "cache",
-    ("transformer.encoder.layers.0", "return[1]"): "cache",
+    ("transformer.rotary_pos_emb", "0"): "positions", ("transformer.rotary_pos_emb", "return"): "tables",
+    ("transformer.encoder", "1"): "kernel mask", ("transformer.encoder", "rotary_pos_emb"): "LayerInputs",
+    ("transformer.encoder", "kv_caches"): "caches", ("transformer.encoder", "return[1]"): "caches",
+    ("transformer.encoder.layers.0", "1"): "kernel mask", ("transformer.encoder.layers.0", "2"): "LayerInputs",
+    ("transformer.encoder.layers.0", "kv_cache"): "cache", ("transformer.encoder.layers.0", "return[1]"): "cache",
+    ("transformer.encoder.layers.0.self_attention", "1"): "kernel mask",
     ("transformer.encoder.layers.0.self_attention", "2"): "LayerInputs",
     ("transformer.encoder.layers.0.self_attention", "kv_cache"): "cache",
     ("transformer.encoder.layers.0.self_attention", "return[1]"): "cache",
+    ("transformer.encoder.layers.0.self_attention.core_attention", "1"): "grouped",
+    ("transformer.encoder.layers.0.self_attention.core_attention", "2"): "grouped",
+    ("transformer.encoder.layers.0.self_attention.core_attention", "3"): "KernelInputs",
 }
 
 
@@ -298,13 +483,27 @@ def value_of(tensor: torch.Tensor):
     return [int(x) for x in tensor.flatten().tolist()] if tensor.dtype == torch.bool else checksum(tensor)
 
 
-def ours(path: str, slot: str, value, cache) -> bool:
-    """Whether `value` is this model's own value where OUR_VALUES says so."""
+def ours(path: str, slot: str, value, cache, recorded=None, batch_first=False) -> bool:
+    """Whether `value` is this model's own value where OUR_VALUES says so. With the original's recorded value of
+    that slot (GLM-4, batch first as ours): the kernel's mask is the complement of the original's (True where a
+    query may look), the grouped keys and values repeat to the original's shape."""
     kind = OUR_VALUES[(path, slot)]
     if kind == "cache":
         return value is cache or (value is None and cache is None)
     if kind == "caches":
         return (value is None and cache is None) or (isinstance(value, tuple) and all(v is cache for v in value))
+    if kind == "positions":
+        return isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point()
+    if kind == "tables":  # (cos, sin) over a head's width, [batch, 1, seq, head_dim]
+        return isinstance(value, tuple) and len(value) == 2 and all(t.dim() == 4 for t in value)
+    if kind == "kernel mask":
+        if not (isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 4):
+            return False
+        return not batch_first or value_of(~value) == recorded
+    if kind == "grouped":
+        return isinstance(value, torch.Tensor) and value.dim() == 4 and (not batch_first or (
+            recorded is not None and recorded[1] % value.shape[1] == 0 and
+            [value.shape[0], recorded[1], *value.shape[2:]] == recorded))
     return type(value).__name__ == kind
 
 
@@ -400,9 +599,13 @@ def test_modules_keep_the_recorded_call_contracts(record_models, family):
     if batch_first:  # checksums of values that are the original's whatever the weights
         rotary = calls["transformer.rotary_pos_emb"]
         assert checksum(model.transformer.rotary_pos_emb(4)) == pytest.approx(rotary["called_as_original"]["value"])
-        for phase in ("prefill", "decode"):
-            assert checksum(steps[phase][0]["transformer.rotary_pos_emb"][2]) == pytest.approx(
-                rotary[phase]["out_value"], rel=1e-6)
+        table = model.transformer.rotary_pos_emb(model.config.seq_length)  # the original's call and table
+        assert checksum(table) == pytest.approx(rotary["prefill"]["out_value"], rel=1e-6)
+        for phase in ("prefill", "decode"):  # what ours hands over: that table's rows of the positions in use
+            (positions,), _, (cos, sin) = steps[phase][0]["transformer.rotary_pos_emb"]
+            rows = table[positions]
+            torch.testing.assert_close(cos[:, 0, :, :2 * rows.shape[-2]:2], rows[..., 0])
+            torch.testing.assert_close(sin[:, 0, :, 1:2 * rows.shape[-2]:2], rows[..., 1])
         args, _, output = steps["decode"][0]["transformer.embedding"]
         embedding = calls["transformer.embedding"]["decode"]
         assert [checksum(args[0]), checksum(output)] == pytest.approx(
@@ -427,15 +630,21 @@ def call_problems(path, phase, recorded, args, kwargs, output, cache, batch_firs
     values = list(args) + [kwargs[name] for name in sorted(kwargs)]
     for slot, value, ours_described, original in zip(slots, values, described, recorded["inputs"]):
         if (path, slot) in OUR_VALUES:
-            if not ours(path, slot, value, cache):
+            index = int(slot) if slot.isdigit() else None
+            expected = None
+            if index is not None and OUR_VALUES[(path, slot)] == "kernel mask":
+                expected = recorded["values"][index]
+            elif index is not None and OUR_VALUES[(path, slot)] == "grouped":
+                expected = recorded["shapes"][index]
+            if not ours(path, slot, value, cache, expected, batch_first):
                 problems.append(f"{where}: argument {slot} is {ours_described}, not this model's own value")
         elif ours_described != original:
             problems.append(f"{where}: argument {slot} is {ours_described}, the original's {original}")
     problems += return_problems(where, path, output, recorded["returns"], cache)
     if batch_first:
         tensors = [(slot, a) for slot, a in zip(slots, args) if (path, slot) not in OUR_VALUES]
-        recorded_tensors = [(str(i), shape) for i, shape in enumerate(recorded["shapes"])]
-        for (slot, tensor), (_, shape) in zip(tensors, recorded_tensors):
+        for slot, tensor in tensors:
+            shape = recorded["shapes"][int(slot)] if int(slot) < len(recorded["shapes"]) else None
             if isinstance(tensor, torch.Tensor) and list(tensor.shape) != shape:
                 problems.append(f"{where}: argument {slot} has shape {list(tensor.shape)}, the original's {shape}")
             if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool and \
@@ -443,12 +652,14 @@ def call_problems(path, phase, recorded, args, kwargs, output, cache, batch_firs
                 problems.append(f"{where}: mask {slot} is {value_of(tensor)}, the original's "
                                 f"{recorded['values'][int(slot)]}")
         first = output[0] if isinstance(output, tuple) else output
-        if list(first.shape) != recorded["out_shape"]:
+        if (path, "return") not in OUR_VALUES and list(first.shape) != recorded["out_shape"]:
             problems.append(f"{where}: returns shape {list(first.shape)}, the original's {recorded['out_shape']}")
     return problems
 
 
 def return_problems(where, path, output, recorded: str, cache) -> list:
+    if (path, "return") in OUR_VALUES:
+        return [] if ours(path, "return", output, cache) else [f"{where}: returns {describe(output)}, not ours"]
     if not recorded.startswith("tuple"):
         return [] if describe(output) == recorded else [f"{where}: returns {describe(output)}, the original {recorded}"]
     count = int(recorded[len("tuple"):recorded.index("[")])
@@ -500,25 +711,36 @@ def test_the_records_hand_overs_are_ours_too(record_models):
             assert our_values[a] == our_values[b], (phase, a, b)
 
 
-# ---- the rotary table: called as the original calls it where something observes it -----------------------------
+# ---- the rotary table -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(FAMILY_MODELS))
-def test_a_hooked_rotary_pos_emb_is_called_as_the_original_and_rotates_the_same(chatglm, family):
+def test_rotary_pos_emb_hooked_sees_the_positions_and_a_replaced_one_is_called_as_the_original(chatglm, family):
+    """A hook reads what this model hands the rotary module (the position ids) and what it returns (the tables of
+    those rows): no table of seq_length rows. A forward a tool put in its place is called as the original calls
+    it, `rotary_pos_emb(seq_length)`, and its table is what the layers turn with."""
     model = build(chatglm, family)
     expected = steps_logits(model)
+    rotary = model.transformer.rotary_pos_emb
     calls = []
-    handle = model.transformer.rotary_pos_emb.register_forward_hook(
-        lambda module, args, output: calls.append((args, tuple(output.shape))))
+    handle = rotary.register_forward_hook(
+        lambda module, args, output: calls.append((tuple(args[0].shape), tuple(output[0].shape))))
     try:
         assert_same_logits(steps_logits(model), expected)
     finally:
         handle.remove()
-    rotary = model.transformer.rotary_pos_emb
-    assert calls == [((model.config.seq_length,), (model.config.seq_length, rotary.dim // 2, 2))] * 4
-    # a replaced forward (an extended table, as a context-extension patch would give) is what the model rotates with
-    rotary.forward = lambda max_seq_len, offset=0: type(rotary).forward(rotary, max_seq_len) * 0 + 1
+    dim = model.config.kv_channels
+    assert calls == [((2, 6), (2, 1, 6, dim))] + [((2, 1), (2, 1, 1, dim))] * 3
+    asked = []
+
+    def original_table(max_seq_len, offset=0):
+        asked.append(max_seq_len)
+        return type(rotary).forward(rotary, max_seq_len)
+
+    rotary.forward = original_table
     try:
+        assert_same_logits(steps_logits(model), expected)
+        assert asked == [model.config.seq_length] * 4
+        rotary.forward = lambda max_seq_len, offset=0: original_table(max_seq_len) * 0 + 1  # another table
         assert not torch.allclose(steps_logits(model)[0], expected[0])
     finally:
         del rotary.forward
-

@@ -114,3 +114,22 @@ def test_cache_given_with_use_cache_false_is_used_and_none_returned(tiny_model, 
         step = model(input_ids=ids[:, -1:], past_key_values=past, use_cache=False)
     assert step.past_key_values is None
     torch.testing.assert_close(step.logits[0, -1], full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["glm4", "chatglm3"])
+def test_generate_without_a_generation_config_after_a_tool_aliased_max_length(tiny_model, family):
+    """GPTQModel's load maps a ChatGLM config's `max_length` to `seq_length` (config.attribute_map on the instance),
+    and transformers 5 took that for the legacy way of steering generation: generate() without a generation_config
+    raised `ValueError: You have modified the pretrained model configuration ... {'max_length': 131072}`. It
+    generates what it generates without the alias, with the model's own generation config (here its
+    max_new_tokens) and the call's arguments."""
+    model = tiny_model(family)
+    model.generation_config.max_new_tokens = 3
+    ids = random_ids(2, 7, seed=3)
+    with torch.no_grad():
+        expected = model.generate(ids, **GREEDY), model.generate(ids, max_new_tokens=5, **GREEDY)
+        model.config.attribute_map = dict(model.config.attribute_map or {}, max_length="seq_length")
+        assert model.config.max_length == model.config.seq_length
+        got = model.generate(ids, **GREEDY), model.generate(ids, max_new_tokens=5, **GREEDY)
+    assert [tokens.shape[1] - ids.shape[1] for tokens in got] == [3, 5]
+    assert [tokens.tolist() for tokens in got] == [tokens.tolist() for tokens in expected]

@@ -84,17 +84,15 @@ def test_forward_with_an_image_matches_golden(glm4v_golden, attn):
     e = case.expected
     model = case.load(attn_implementation=attn)
     seen = {}
-    hooks = [model.transformer.vision.register_forward_hook(lambda m, args, out: seen.update(features=out))]
-    rotary = model.transformer.rotary_pos_emb
-    cos_sin = rotary.cos_sin  # the rows of the rotary table the positions pick
-    rotary.cos_sin = lambda position_ids, dtype: seen.update(rope=position_ids) or cos_sin(position_ids, dtype)
+    hooks = [model.transformer.vision.register_forward_hook(lambda m, args, out: seen.update(features=out)),
+             # the positions the rotary module is handed: the rows of the table they pick
+             model.transformer.rotary_pos_emb.register_forward_hook(lambda m, args, out: seen.update(rope=args[0]))]
     try:
         with torch.no_grad():
             logits = model(input_ids=e["input_ids"][None], images=e["pixel_values"], use_cache=False).logits[0]
     finally:
         for hook in hooks:
             hook.remove()
-        del rotary.cos_sin
     # recorded in another process: FORMAT.md's 1e-4 (another thread count moves values by ~1e-5)
     torch.testing.assert_close(seen["features"][0], e["image_features"], atol=1e-4, rtol=1e-4)
     assert seen["rope"][0].tolist() == e["expanded_position_ids"].tolist()

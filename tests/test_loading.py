@@ -304,6 +304,16 @@ def test_modeling_file_copied_alone_gives_the_golden_numbers(golden, tmp_path):
         assert static.tolist() == generated.tolist()
 
 
+def test_modeling_file_copied_alone_gives_a_config_with_rope_ratio(golden, tmp_path):
+    """ChatGLM2/3's own configuration classes have no rope_ratio, and tools tell the batch-first GLM-4 layout (every
+    family's here) by it: optimum-intel's OpenVINO export took its sequence-first ChatGLM2 path without it. The
+    model's config has it, 1 where the checkpoint has none (the reading of the rotary embedding)."""
+    folder = original_folder_with_our_modeling(golden, tmp_path)
+    stored = json.loads((folder / "config.json").read_text())
+    model = load_causal_lm(folder, attn_implementation="eager")
+    assert model.config.rope_ratio == stored.get("rope_ratio", 1)
+
+
 def test_modeling_file_copied_alone_names_the_file_tensor_parallelism_needs(golden, tmp_path):
     folder = original_folder_with_our_modeling(golden, tmp_path)
     with pytest.raises(ImportError, match=r"parallel_chatglm\.py beside modeling_chatglm\.py"):

@@ -301,13 +301,14 @@ def test_glm4_build_single_message_as_text_encodes_to_its_ids(glm4_tokenizer):
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_a_forward_hook_on_core_attention_sees_every_layer(tiny_model, implementation):
-    """A hook sees the original's call: query, key and value [batch, heads, seq, dim] (key and value repeated to
-    every query head), the mask, and one [batch, seq, hidden] tensor back (tests/test_contracts.py checks values)."""
+    """A hook sees every layer's attention call as this model makes it (hooks only read): query [batch, heads, seq,
+    dim], key and value per key/value group, the kernel's inputs in the mask's place, and one [batch, seq, hidden]
+    tensor back (docs/serving-and-tools.md; tests/test_contracts.py checks the values)."""
     model = tiny_model("glm4", attn_implementation=implementation)
     seen = []
     hooks = [layer.self_attention.core_attention.register_forward_hook(
-        lambda module, args, output: seen.append((module.layer_number, [tuple(a.shape) for a in args],
-                                                  tuple(output.shape))))
+        lambda module, args, output: seen.append((module.layer_number, [tuple(a.shape) for a in args[:3]],
+                                                  type(args[3]).__name__, tuple(output.shape))))
         for layer in model.transformer.encoder.layers]
     try:
         with torch.no_grad():
@@ -315,8 +316,8 @@ def test_a_forward_hook_on_core_attention_sees_every_layer(tiny_model, implement
     finally:
         for hook in hooks:
             hook.remove()
-    heads, dim = model.config.num_attention_heads, model.config.kv_channels
-    assert seen == [(number, [(1, heads, 4, dim)] * 3 + [(1, 1, 4, 4)], (1, 4, heads * dim))
+    heads, groups, dim = model.config.num_attention_heads, model.config.multi_query_group_num, model.config.kv_channels
+    assert seen == [(number, [(1, heads, 4, dim)] + [(1, groups, 4, dim)] * 2, "KernelInputs", (1, 4, heads * dim))
                     for number in range(1, model.config.num_layers + 1)]
 
 

@@ -707,8 +707,11 @@ def test_model_benchmark_runs_from_a_clone(tmp_path, models):
     generated = [row for row in rows if row["section"] == "generate"]
     assert [row["unit"] for row in generated] == ["ms/token", "s", "ms/token"]  # the static cache's first call apart
     per_layer = "operators per layer, bs=1 decode step (views and no-op casts left out)"
+    hooked = "decode step bs=3, context 16, a no-op hook on every module: torch operators, fork hooked / fork"
     assert [row["metric"] for row in rows if row["section"] == "profile"] == [
-        "decode step bs=3, context 16: torch operators", per_layer]
+        hooked, "decode step bs=3, context 16: torch operators", per_layer]
+    hooked_row = next(row for row in rows if row["metric"] == hooked)
+    assert hooked_row["fork"] == hooked_row["native"] > 0  # hooks only read: the same operators run (issue 48)
     assert 0 < next(row for row in rows if row["metric"] == per_layer)["fork"] <= 24  # issue 38's target (fp32)
     int4 = {row["metric"]: row for row in rows if row["section"] == "int4"}
     decode = [row for metric, row in int4.items() if metric.startswith("int4 decode bs=1")]
