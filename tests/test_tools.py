@@ -590,6 +590,7 @@ def test_gpu_check_leaves_nothing_behind_when_it_ends_fails_or_is_stopped(tmp_pa
     assert left_behind(tmp_path) == []
 
 
+@pytest.mark.newest_end
 @pytest.mark.matrix_ends
 def test_cpu_matvec_kernels_benchmark_runs():
     """benchmarks/cpu_matvec_kernels.py --quick: the machine line names the CPU's instruction sets; a table line per
@@ -626,6 +627,7 @@ def test_cpu_matvec_kernels_benchmark_runs():
     assert not any("wrong" in lines[key][3] for key in model_paths), result.stdout[-3000:]
 
 
+@pytest.mark.newest_end
 @pytest.mark.matrix_ends
 @pytest.mark.parametrize("models", ["checkpoints", "in-memory"])
 def test_model_benchmark_times_the_weight_check_against_the_load(tmp_path, models):
@@ -643,6 +645,7 @@ def test_model_benchmark_times_the_weight_check_against_the_load(tmp_path, model
     assert ("building the models in memory" if models == "in-memory" else "from_pretrained") in row["note"]
 
 
+@pytest.mark.newest_end
 @pytest.mark.matrix_ends
 def test_llamacpp_benchmark_runs_from_a_clone(tmp_path):
     """benchmarks/llamacpp_benchmark.py --quick: every class's decode line on our side, against llama.cpp's GGUF of
@@ -684,6 +687,7 @@ def test_llamacpp_benchmark_runs_from_a_clone(tmp_path):
     assert not run["kernels"] and "routes to the one-row products" not in result.stdout
 
 
+@pytest.mark.newest_end
 @pytest.mark.matrix_ends
 @pytest.mark.parametrize("models", ["checkpoints", "in-memory"])
 def test_model_benchmark_runs_from_a_clone(tmp_path, models):
