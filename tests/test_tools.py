@@ -524,6 +524,7 @@ def test_demo_prints_only_what_a_new_user_needs_and_leaves_nothing_behind(tmp_pa
     assert left_behind(tmp_path) == []
 
 
+@pytest.mark.matrix_ends  # the demo's own clean-up; every release runs the demo itself (the test above)
 def test_demo_leaves_nothing_behind_when_it_fails_or_is_stopped(tmp_path):
     env = demo_environment(tmp_path)
     failed = subprocess.run(DEMO + ["--model", str(tmp_path / "no-such-checkpoint")], capture_output=True, text=True,
