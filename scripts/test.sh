@@ -13,16 +13,17 @@
 #   scripts/test.sh --minimal [VERSION]   # only the core suite in the minimal environment
 #   scripts/test.sh --torch-ends    # only the torch ends (below)
 # The whole matrix also runs the core suite in a minimal environment (.venv-minimal: only torch, transformers,
-# accelerate, safetensors, sentencepiece, tiktoken and the test runner) on the oldest and newest versions: tests of
-# optional features skip there naming their package, and nothing else may need more than the six dependencies.
+# accelerate, safetensors, sentencepiece, tiktoken and the test runner) on the newest version: tests of optional
+# features skip there naming their package, and nothing else may need more than the six dependencies. On every version
+# tests/test_dependencies.py loads, runs and tokenizes with the optional packages hidden (`--minimal 4.44.2` runs the
+# oldest in the real environment).
 # It also runs the core suite (with the attention and torch.compile tests) at the two ends of the torch range, each in
 # its own environment (scripts/env.sh, CHATGLM_TORCH): the oldest torch users have (2.4, GLM-4's own floor) with the
 # oldest transformers, and the newest torch on the registry with the newest transformers (the matrix itself runs on
 # torch 2.13.0).
 # The whole matrix runs in two lanes side by side (the tests' tiny models keep a process on about one core; CI has two):
 # both lanes take phases from one queue, the longest first (the matrix's ends, the torch ends, the minimal
-# environment's two versions as one item since they share .venv-minimal, then the versions between the ends), so
-# that neither lane is left with a long phase at the end. A matrix version runs in the lane's own environment: .venv
+# environment, then the versions between the ends), so that neither lane is left with a long phase at the end. A matrix version runs in the lane's own environment: .venv
 # in lane 1, .venv-matrix2 (the same packages) in lane 2. Each phase's output is printed whole when it ends; each
 # lane's torch uses one thread (OMP_NUM_THREADS=1, unless set).
 # The minimal environment skips the tests marked `matrix_ends` (the heavy variants of tests it runs: they need no
@@ -32,7 +33,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0 5.24.0)
 OLDEST=4.44.2; NEWEST=5.24.0
-MINIMAL=("$OLDEST" "$NEWEST")
+MINIMAL=("$NEWEST")
 CORE=(tests/test_loading.py tests/test_parity.py tests/test_quantized.py tests/test_generation.py tests/test_cache_use.py tests/test_chat.py
       tests/test_inputs.py tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py
       tests/test_recipes.py tests/test_overrides.py tests/test_dependencies.py tests/test_surface.py)
