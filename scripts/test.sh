@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite on the transformers version matrix, in one virtual environment (torch installed once, transformers
-# swapped per version). The oldest and newest versions run everything; the versions between them skip the tests
-# marked `matrix_ends` (multi-device and tensor-parallel runs, the slowest) and `release_independent` (what no
-# transformers release can change: pytest.ini). Prints each phase's counts and times, then one summary line.
+# swapped per version). The newest version runs everything, the oldest all but the benchmark scripts' runs
+# (`newest_end`); the versions between them also skip the tests marked `matrix_ends` (the heavy tests: docs/testing.md)
+# and `release_independent` (what no transformers release can change: pytest.ini). Prints each phase's counts and
+# times, then one summary line.
 #   scripts/test.sh                 # the whole matrix (what CI runs); its summary gives each phase's times
 #   scripts/test.sh 5.24.0 -k parity   # one version, extra pytest arguments
 #   scripts/test.sh --quick         # daily work: the newest version, no multi-device / tensor-parallel tests
@@ -12,28 +13,34 @@
 #   scripts/test.sh --minimal [VERSION]   # only the core suite in the minimal environment
 #   scripts/test.sh --torch-ends    # only the torch ends (below)
 # The whole matrix also runs the core suite in a minimal environment (.venv-minimal: only torch, transformers,
-# accelerate, safetensors, sentencepiece, tiktoken and the test runner) on the oldest and newest versions: tests of
-# optional features skip there naming their package, and nothing else may need more than the six dependencies.
+# accelerate, safetensors, sentencepiece, tiktoken and the test runner) on the newest version: tests of optional
+# features skip there naming their package, and nothing else may need more than the six dependencies. On every version
+# tests/test_dependencies.py loads, runs and tokenizes with the optional packages hidden (`--minimal 4.44.2` runs the
+# oldest in the real environment).
 # It also runs the core suite (with the attention and torch.compile tests) at the two ends of the torch range, each in
 # its own environment (scripts/env.sh, CHATGLM_TORCH): the oldest torch users have (2.4, GLM-4's own floor) with the
 # oldest transformers, and the newest torch on the registry with the newest transformers (the matrix itself runs on
 # torch 2.13.0).
 # The whole matrix runs in two lanes side by side (the tests' tiny models keep a process on about one core; CI has two):
-# lane 1 takes the matrix's versions in .venv one after another; lane 2 runs the minimal environment and the torch
-# ends, then takes the versions lane 1 has not started, in .venv-matrix2 (the same packages as .venv). Each phase's
-# output is printed whole when it ends; each lane's torch uses one thread (OMP_NUM_THREADS=1, unless set).
+# both lanes take phases from one queue, the longest first (the matrix's ends, the torch ends, the minimal
+# environment, then the versions between the ends), so that neither lane is left with a long phase at the end. A matrix version runs in the lane's own environment: .venv
+# in lane 1, .venv-matrix2 (the same packages) in lane 2. Each phase's output is printed whole when it ends; each
+# lane's torch uses one thread (OMP_NUM_THREADS=1, unless set).
+# The minimal environment skips the tests marked `matrix_ends` (the heavy variants of tests it runs: they need no
+# more packages), and the torch ends skip the tokenizer modules (no torch in them).
 # CHATGLM_TEST_LANES=1 runs every phase in one lane, printing as it goes.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MATRIX=(4.44.2 4.46.3 4.49.0 4.53.3 4.57.6 5.0.0 5.23.0 5.24.0)
 OLDEST=4.44.2; NEWEST=5.24.0
-MINIMAL=("$OLDEST" "$NEWEST")
+MINIMAL=("$NEWEST")
 CORE=(tests/test_loading.py tests/test_parity.py tests/test_quantized.py tests/test_generation.py tests/test_cache_use.py tests/test_chat.py
       tests/test_inputs.py tests/test_tokenizer.py tests/test_fast_tokenizer.py tests/test_training.py
       tests/test_recipes.py tests/test_overrides.py tests/test_dependencies.py tests/test_surface.py)
 NEWEST_TORCH="$(sed -n 's/^torch==//p' "$ROOT/scripts/requirements-newest-torch.txt")"
 TORCH_ENDS=("2.4.1 $OLDEST" "$NEWEST_TORCH $NEWEST")
 TORCH_SENSITIVE=(tests/test_attention.py tests/test_compile.py)  # besides the core suite: the kernels, torch.compile
+TORCH_FREE=(tests/test_tokenizer.py tests/test_fast_tokenizer.py)  # of the core suite: not run at the torch ends
 LANES="${CHATGLM_TEST_LANES:-2}"
 if [ $# -gt 0 ] && [ "$1" = "--torch-ends" ]; then
   shift; MATRIX=(); MINIMAL=(); LANES=1
@@ -82,11 +89,15 @@ phase_run() (
   local kind="$1" version="$2" torch="${3:-}" venv="${4:-}" begin=$SECONDS selection=()
   case "$kind" in
     matrix) [ -n "$venv" ] && export CHATGLM_VENV="$venv"
-            # The versions between the ends skip what is checked on the ends only (pytest.ini).
-            if [ "$version" != "$OLDEST" ] && [ "$version" != "$NEWEST" ]; then
-              selection=(-m "not matrix_ends and not release_independent"); fi ;;
-    minimal) export CHATGLM_MINIMAL=1 CHATGLM_TEST_ENV=minimal; selection=("${CORE[@]}") ;;
-    torch) export CHATGLM_TORCH="$torch"; selection=("${CORE[@]}" "${TORCH_SENSITIVE[@]}") ;;
+            # The versions between the ends skip what is checked on the ends only, the oldest what is checked on the
+            # newest only (pytest.ini).
+            if [ "$version" = "$OLDEST" ]; then selection=(-m "not newest_end")
+            elif [ "$version" != "$NEWEST" ]; then
+              selection=(-m "not matrix_ends and not release_independent and not newest_end"); fi ;;
+    minimal) export CHATGLM_MINIMAL=1 CHATGLM_TEST_ENV=minimal; selection=(-m "not matrix_ends" "${CORE[@]}") ;;
+    torch) export CHATGLM_TORCH="$torch"
+           for file in "${CORE[@]}" "${TORCH_SENSITIVE[@]}"; do
+             [[ " ${TORCH_FREE[*]} " == *" $file "* ]] || selection+=("$file"); done ;;
   esac
   source "$ROOT/scripts/env.sh" "$version" >/dev/null || exit $?
   # Two lanes on two cores: one torch thread each. Two threads per lane left four threads spinning for two cores (the
@@ -106,9 +117,19 @@ CHECK
   "$PY" -m pytest -q "${selection[@]}" --junitxml="$REPORTS/$name.xml" "${PYTEST_ARGS[@]}"
 )
 
-# next_version: the first matrix version no lane has started ("" when none is left).
-next_version() {
+# next_item: the queue's first item no lane has started ("" when none is left).
+next_item() {
   flock "$REPORTS/.queue" bash -c 'head -n 1 "$0"; sed -i 1d "$0"' "$REPORTS/queue"
+}
+
+# run_item ITEM: "matrix VERSION", "minimal" (every version of MINIMAL, one after another) or "torch TORCH VERSION".
+run_item() {
+  local kind="$1" venv=""
+  case "$kind" in
+    matrix) [ "$LANE" = 2 ] && venv="$ROOT/.venv-matrix2"; phase matrix "$2" "" "$venv" ;;
+    minimal) for version in "${MINIMAL[@]}"; do phase minimal "$version"; done ;;
+    torch) phase torch "$3" "$2" ;;
+  esac
 }
 
 PYTEST_ARGS=("$@")
@@ -118,13 +139,17 @@ if [ "$LANES" = 1 ]; then
   for version in "${MINIMAL[@]}"; do phase minimal "$version"; done
   for end in "${TORCH_ENDS[@]}"; do read -r torch version <<<"$end"; phase torch "$version" "$torch"; done
 else
-  # The ends first (they run everything), then the versions between; a lane takes the next one when it is free.
-  for version in "$OLDEST" "$NEWEST" "${MATRIX[@]}"; do echo "$version"; done | awk '!seen[$0]++' >"$REPORTS/queue"
-  (LANE=1; while version="$(next_version)" && [ -n "$version" ]; do phase matrix "$version"; done) &
-  (LANE=2
-   for version in "${MINIMAL[@]}"; do phase minimal "$version"; done
-   for end in "${TORCH_ENDS[@]}"; do read -r torch version <<<"$end"; phase torch "$version" "$torch"; done
-   while version="$(next_version)" && [ -n "$version" ]; do phase matrix "$version" "" "$ROOT/.venv-matrix2"; done) &
+  # Longest first (docs/run-history.md has each phase's time): the matrix's ends run every test, then the torch ends,
+  # the minimal environment, and the versions between the ends.
+  {
+    for version in "$NEWEST" "$OLDEST"; do [[ " ${MATRIX[*]} " == *" $version "* ]] && echo "matrix $version"; done
+    for end in "${TORCH_ENDS[@]}"; do echo "torch $end"; done
+    [ "${#MINIMAL[@]}" -gt 0 ] && echo "minimal"
+    for version in "${MATRIX[@]}"; do echo "matrix $version"; done
+  } | awk '!seen[$0]++' >"$REPORTS/queue"
+  for lane in 1 2; do
+    (LANE=$lane; while item="$(next_item)" && [ -n "$item" ]; do run_item $item; done) &
+  done
   wait
 fi
 python3 - "$REPORTS" "$((SECONDS - START))" <<'PY'

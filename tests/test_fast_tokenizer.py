@@ -235,6 +235,8 @@ def glm4_vocabulary_texts(token_bytes):
     return entries
 
 
+# Every vocabulary entry: the matrix's ends (the versions between run the property and real-text tests).
+@pytest.mark.matrix_ends
 def test_glm4_every_vocabulary_entry_is_reachable_and_splits_as_tiktoken(glm4_fast_tokenizer, glm4_tokenizer,
                                                                          token_bytes, fast_converter):
     """tiktoken takes a pre-token that is in the vocabulary whole; merges alone cannot reach 893 entries (" 王",
@@ -319,6 +321,7 @@ def chatglm3_vocabulary_texts(sp_model):
             if not (sp_model.is_control(index) or sp_model.is_unknown(index) or sp_model.is_byte(index))]
 
 
+@pytest.mark.matrix_ends
 def test_chatglm3_every_vocabulary_entry_encodes_as_sentencepiece_does(chatglm3_fast_tokenizer, chatglm3_tokenizer):
     sp = chatglm3_tokenizer.tokenizer  # the slow tokenizer's SentencePiece model (the original's API name)
     entries = chatglm3_vocabulary_texts(sp.sp_model)
@@ -427,7 +430,9 @@ def spelling_mismatches(fast, slow, texts, **kwargs) -> list:
     return [(text, fast_ids, slow_ids) for text, fast_ids, slow_ids in zip(texts, got, want) if fast_ids != slow_ids]
 
 
-@pytest.mark.parametrize("family", ["chatglm3", pytest.param("glm4", marks=pytest.mark.matrix_ends)])
+# Over 85,000 slow encodes per family and mode: the matrix's ends; the versions between run the property test.
+@pytest.mark.matrix_ends
+@pytest.mark.parametrize("family", ["chatglm3", "glm4"])
 @pytest.mark.parametrize("split_special_tokens", [False, True])
 def test_fast_equals_slow_on_every_spelling_typed_in_text(family, split_special_tokens, request):
     """Each vocabulary entry's and special token's spelling in "a {spelling} b", encoded in one batch per mode:
@@ -474,6 +479,8 @@ def chatglm3_files():
     return files
 
 
+# How the converter writes (links, a full disk, its former name) is its own code: the matrix's ends.
+@pytest.mark.matrix_ends
 def test_converter_in_a_hub_cache_snapshot_replaces_the_link_keeps_the_blob_and_reverts(quick_converter, tmp_path):
     fast_converter = quick_converter
     import install_into_checkpoint
@@ -504,6 +511,7 @@ def test_converter_in_a_hub_cache_snapshot_replaces_the_link_keeps_the_blob_and_
     assert folder_state(cache) == start
 
 
+@pytest.mark.matrix_ends
 def test_converter_leaves_the_folder_as_it_was_when_the_disk_fills_up(quick_converter, tmp_path):
     fast_converter = quick_converter
     folder = tmp_path / "chatglm3"
@@ -549,6 +557,7 @@ def test_tokenizer_json_merges_are_readable_by_every_supported_tokenizers_releas
     assert reloaded.encode(text).ids == tokenizer.encode(text).ids
 
 
+@pytest.mark.matrix_ends
 def test_the_converter_under_its_former_name_runs_as_a_user_runs_it(quick_converter, tmp_path):
     import subprocess
     import sys

@@ -359,6 +359,7 @@ def test_prompts_on_the_packed_storage_equal_the_exact_path_on_the_codes(int4):
             assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
+@pytest.mark.matrix_ends  # torch.compile of one kernel: the torch ends and the matrix's ends run it
 def test_a_gpus_compiled_dequantization_is_as_accurate_as_the_exact_path(int4, int4_model, monkeypatch):
     """On a GPU a prompt dequantizes the packed bytes in one compiled kernel (here run on the CPU): the weight equals
     the codes' bit for bit, and the bf16 logits are as far from the fp32 model's as the block path's (one product
